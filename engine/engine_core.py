@@ -1,0 +1,120 @@
+"""EngineCore: the scheduler, the KV cache and the model executor, stepped in a loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import time
+
+from corefleet.engine.config import EngineConfig
+from corefleet.engine.core.kv_cache import make_block_hasher
+from corefleet.engine.core.scheduler import Scheduler
+from corefleet.engine.models.loader import load_arch_config, resolve_model_path
+from corefleet.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from corefleet.engine.request import Request, RequestStatus
+from corefleet.engine.worker.executor import UniProcExecutor
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """One data-parallel rank's engine: ``step()`` = schedule -> execute -> update."""
+
+    def __init__(self, config: EngineConfig, executor_class: type = UniProcExecutor) -> None:
+        started = time.perf_counter()
+        self.model_path = resolve_model_path(config.model.model)
+        arch = load_arch_config(self.model_path)
+        self.config = config = _resolve_max_model_len(config, arch.max_position_embeddings)
+        self.max_model_len: int = config.model.max_model_len  # type: ignore[assignment]
+        self.vocab_size = arch.vocab_size
+        self.eos_token_id = arch.eos_token_ids[0] if arch.eos_token_ids else None
+
+        self.executor = executor_class(config, self.model_path)
+        self.num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_kv_cache(self.num_blocks)
+        block_size = config.cache.block_size
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks,
+                                   self.max_model_len, block_size)
+        self.block_hasher = (
+            make_block_hasher(block_size) if config.cache.enable_prefix_caching else None
+        )
+        # Aborts that arrive from other threads while the model runs; applied before the
+        # step's results so a request aborted during its last step ends ABORTED, not LENGTH.
+        self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
+        logger.info(
+            "engine ready in %.1f s: max_model_len=%d, %d KV blocks of %d tokens (%d tokens)",
+            time.perf_counter() - started, self.max_model_len, self.num_blocks, block_size,
+            (self.num_blocks - 1) * block_size,
+        )
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def preprocess_add_request(self, request: EngineCoreRequest) -> Request:
+        """Validate a wire request and build the engine-side Request; ValueError if invalid."""
+        if not isinstance(request.request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request.request_id).__name__}")
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty: at least one token is required")
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens; max_model_len is {self.max_model_len}, "
+                "which leaves no room to generate"
+            )
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                             f"(size {self.vocab_size})")
+        request.sampling_params.validate(self.vocab_size)
+        return Request.from_engine_core_request(request, self.eos_token_id, self.block_hasher)
+
+    def add_request(self, request: Request | EngineCoreRequest) -> None:
+        if isinstance(request, EngineCoreRequest):
+            request = self.preprocess_add_request(request)
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Finish these requests as aborted (unknown or finished ids are ignored)."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
+        """Run one batch; returns the outputs per client and whether the model ran."""
+        if not self.scheduler.has_requests():
+            return {}, False
+        scheduler_output = self.scheduler.schedule()
+        future = self.executor.execute_model(scheduler_output, non_block=True)
+        model_output = future.result()
+        self._process_aborts_queue()
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def _process_aborts_queue(self) -> None:
+        ids: list[str] = []
+        while True:
+            try:
+                ids.extend(self.aborts_queue.get_nowait())
+            except queue.Empty:
+                break
+        if ids:
+            self.abort_requests(ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _resolve_max_model_len(config: EngineConfig, model_limit: int) -> EngineConfig:
+    requested = config.model.max_model_len
+    if requested is None:
+        return config.with_max_model_len(model_limit)
+    if requested > model_limit:
+        raise ValueError(
+            f"invalid engine argument max_model_len={requested}: the model supports at most "
+            f"{model_limit} positions"
+        )
+    return dataclasses.replace(config)

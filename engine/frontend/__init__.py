@@ -1,0 +1,1 @@
+"""Input and output processing, the offline LLM class."""

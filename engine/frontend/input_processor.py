@@ -1,0 +1,87 @@
+"""Prompts and sampling parameters -> validated ``EngineCoreRequest``s."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from typing import TypeAlias, Union
+
+import msgspec
+
+from corefleet.engine.protocol import EngineCoreRequest, SamplingParams
+from corefleet.engine.tokenizer import Tokenizer
+
+# A prompt is text, or a mapping with "prompt_token_ids" (and optionally "prompt").
+PromptType: TypeAlias = Union[str, Mapping[str, object]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessedPrompt:
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
+class InputProcessor:
+    """Tokenizes and validates, so that nothing invalid ever reaches an engine."""
+
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+        if isinstance(prompt, str):
+            return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
+        if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, Sequence) or not all(isinstance(t, int) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            text = prompt.get("prompt")
+            return ProcessedPrompt(text if isinstance(text, str) else None, list(ids))
+        raise ValueError(
+            f"a prompt must be a string or a mapping with 'prompt_token_ids', "
+            f"got {type(prompt).__name__}"
+        )
+
+    def make_requests(
+        self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+        priority: int = 0,
+    ) -> list[EngineCoreRequest]:
+        """One engine request per sample (``n`` of them), ids ``{i}_{request_id}`` when n > 1."""
+        params.validate(self.vocab_size)
+        params = self._resolve_max_tokens(len(prompt.prompt_token_ids), params)
+        bad = [t for t in prompt.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                             f"(size {self.vocab_size})")
+        now = time.time()
+        if params.n == 1:
+            return [EngineCoreRequest(request_id, prompt.prompt_token_ids, params, now, priority)]
+        requests = []
+        for i in range(params.n):
+            # Each sample gets its own seed so that seeded n>1 requests are not n copies.
+            seed = None if params.seed is None else params.seed + i
+            child = msgspec.structs.replace(params, n=1, seed=seed)
+            requests.append(EngineCoreRequest(f"{i}_{request_id}", prompt.prompt_token_ids,
+                                              child, now, priority))
+        return requests
+
+    def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> SamplingParams:
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty: at least one token is required")
+        room = self.max_model_len - num_prompt
+        if room <= 0:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens but this model's maximum context length "
+                f"(max_model_len) is {self.max_model_len}"
+            )
+        if params.max_tokens is None:
+            return msgspec.structs.replace(params, max_tokens=room)
+        if params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} does not fit: the prompt has {num_prompt} "
+                f"tokens and max_model_len is {self.max_model_len}, so at most {room} "
+                "tokens can be generated"
+            )
+        return params

@@ -1,0 +1,139 @@
+"""The offline API: ``LLM(model).generate(prompts, params)``, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from corefleet.engine.config import EngineConfig
+from corefleet.engine.engine_core import EngineCore
+from corefleet.engine.frontend.input_processor import InputProcessor, PromptType
+from corefleet.engine.frontend.output_processor import OutputProcessor
+from corefleet.engine.frontend.outputs import RequestOutput
+from corefleet.engine.protocol import SamplingParams
+from corefleet.engine.tokenizer import Tokenizer
+
+ChatMessages = list[dict[str, str]]
+
+
+class LLM:
+    """Batch generation with an engine in this process.
+
+    ``model`` is a Hugging Face folder, a GGUF file, or ``None`` for the embedded
+    SmolLM2-135M-Instruct; other keyword arguments are engine arguments with vLLM's names
+    (``dtype``, ``max_model_len``, ``max_num_seqs``, ``kv_cache_memory``, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        config = EngineConfig.from_kwargs(model=model, **engine_args)
+        self.engine = EngineCore(config)
+        self.tokenizer = Tokenizer.from_model_path(self.engine.model_path)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.engine.max_model_len, self.engine.vocab_size
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in prompt order.
+
+        Every prompt and parameter is validated before anything is queued, so a bad input
+        raises ``ValueError`` and leaves the engine untouched.
+        """
+        prompt_list = _as_list(prompts)
+        params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list))
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError("priority must have one entry per prompt")
+
+        pending = []
+        for prompt, params, prio in zip(prompt_list, params_list, priorities, strict=True):
+            processed = self.input_processor.process_prompt(prompt)
+            request_id = str(next(self._ids))
+            engine_requests = self.input_processor.make_requests(
+                request_id, processed, params, prio
+            )
+            pending.append((request_id, processed, params, engine_requests))
+        for request_id, processed, params, engine_requests in pending:
+            self.output_processor.add_request(
+                request_id, processed.prompt, processed.prompt_token_ids,
+                [r.request_id for r in engine_requests], params,
+            )
+            for engine_request in engine_requests:
+                self.engine.add_request(engine_request)
+        return self._run([p[0] for p in pending], use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations: list[ChatMessages] = (
+            [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item]
+        )
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt
+            )
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        num_generated = 0
+        try:
+            while self.output_processor.has_unfinished():
+                outputs_by_client, _ = self.engine.step()
+                engine_outputs = outputs_by_client.get(0)
+                if engine_outputs is None:
+                    continue
+                num_generated += sum(len(o.new_token_ids) for o in engine_outputs.outputs)
+                changed, to_abort = self.output_processor.process_outputs(engine_outputs.outputs)
+                if to_abort:
+                    self.engine.abort_requests(to_abort)
+                for output in changed:
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+                if use_tqdm:
+                    bar.set_postfix(output_tokens=num_generated, refresh=False)
+        finally:
+            bar.close()
+        return [finished[r] for r in request_ids]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _broadcast(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params

@@ -1,0 +1,213 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a flattened token batch.
+
+No padding anywhere: the batch is ``[T]`` tokens from many requests, and attention finds each
+request's context through the paged KV cache (``AttentionMetadata``). Projections are fused
+(q|k|v and gate|up) so each layer runs few, large GEMMs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from corefleet.engine.models.arch import ArchConfig
+from corefleet.engine.models.rope import build_cos_sin_cache
+from corefleet.kernels import reference
+from corefleet.kernels.backend import AttentionBackend
+from corefleet.kernels.metadata import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: k, v [num_blocks, bs, Hkv, D]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return reference.rms_norm(x, self.weight, self.eps, residual)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.backend = backend
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, H]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,  # [P, D]
+    ) -> torch.Tensor:  # [T, H]
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, q + 2kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = reference.rotary_embedding(positions, q, k, cos_sin_cache)
+        k_cache, v_cache = kv_cache
+        self.backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.backend.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.down_proj(reference.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus its LM head; ``forward`` returns hidden states, not logits."""
+
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cos_sin = build_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta,
+                                      cfg.rope_scaling)
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        cos_sin_cache: torch.Tensor = self.cos_sin_cache  # type: ignore[assignment]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, cos_sin_cache)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up as they arrive."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name, shard = _map_hf_name(hf_name)
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
+            target = params[name].data
+            if shard is None:
+                _copy_checked(target, tensor, hf_name)
+            else:
+                start, size = self._shard_range(name, shard)
+                _copy_checked(target.narrow(0, start, size), tensor, hf_name)
+            loaded.add(f"{name}:{shard}")
+        self._check_complete(loaded)
+
+    def _shard_range(self, name: str, shard: str) -> tuple[int, int]:
+        cfg = self.cfg
+        q = cfg.num_attention_heads * cfg.head_dim
+        kv = cfg.num_key_value_heads * cfg.head_dim
+        ranges = {
+            "q": (0, q),
+            "k": (q, kv),
+            "v": (q + kv, kv),
+            "gate": (0, cfg.intermediate_size),
+            "up": (cfg.intermediate_size, cfg.intermediate_size),
+        }
+        return ranges[shard]
+
+    def _check_complete(self, loaded: set[str]) -> None:
+        expected: set[str] = set()
+        for name, _ in self.named_parameters():
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+                expected.update(f"{name}:{s}" for s in ("q", "k", "v"))
+            elif name.endswith("gate_up_proj.weight"):
+                expected.update(f"{name}:{s}" for s in ("gate", "up"))
+            else:
+                expected.add(f"{name}:None")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+    "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+    "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+}
+
+
+def _map_hf_name(hf_name: str) -> tuple[str, str | None]:
+    """HF name -> (our parameter name, shard of a fused parameter or None)."""
+    name = hf_name.removeprefix("model.")
+    for hf_part, (ours, shard) in _FUSED.items():
+        if f".{hf_part}." in name:
+            return name.replace(hf_part, ours), shard
+    return name, None
+
+
+def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, hf_name: str) -> None:
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(
+            f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+            f"the model expects {tuple(target.shape)}"
+        )
+    target.copy_(tensor)

@@ -1,0 +1,173 @@
+"""Wire types shared by the engine, its clients and the coordinator (msgspec Structs).
+
+Field order of the ``array_like`` structs is part of the wire contract: new fields are only ever
+appended, with defaults, so older peers keep decoding newer messages.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import msgspec
+
+
+class RequestType(bytes, enum.Enum):
+    """One-byte type prefix of every client->engine frame."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x03"
+    # Internal sentinels, never sent by clients.
+    EXECUTOR_FAILED = b"\x04"
+    WAKEUP = b"\x05"
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished. ``str()`` gives the OpenAI-style lower-case name."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+    # The engine is shutting down (drain) and refused to start this request. Never user-visible
+    # through the coordinator, which re-routes it to another rank.
+    REJECTED = 4
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """How to pick tokens and when to stop; vLLM's names and defaults.
+
+    Call :meth:`validate` (the frontends do) to get a ``ValueError`` naming the bad field.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per generated token
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ``ValueError`` naming the first out-of-range parameter."""
+        _check(self.n >= 1, "n", self.n, "must be at least 1")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
+        _check(self.top_k >= -1, "top_k", self.top_k, "must be -1, 0 (off) or positive")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty,
+               "must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+               self.frequency_penalty, "must be in [-2, 2]")
+        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
+               self.repetition_penalty, "must be in (0, 2]")
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be at least 1")
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                   f"must not exceed max_tokens ({self.max_tokens})")
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
+        if self.logprobs is not None:
+            _check(0 <= self.logprobs <= 20, "logprobs", self.logprobs, "must be in [0, 20]")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+               "must be non-empty strings")
+        if self.seed is not None:
+            _check(0 <= self.seed < 2**63, "seed", self.seed, "must be in [0, 2**63)")
+        if vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+            _check(not bad, "stop_token_ids", bad, f"must be token ids below {vocab_size}")
+
+
+def _check(ok: bool, field: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid sampling parameter {field}={value!r}: {rule}")
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A request as the engine receives it: already tokenized and validated."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
+    client_index: int = 0
+
+
+class Logprobs(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs of the newly generated tokens of one request.
+
+    Row ``i`` describes new token ``i``: column 0 is the sampled token, then the top-N.
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_ranks: list[int]  # rank of the sampled token in the full distribution (1 = best)
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """New tokens of one request in one step (or its finish)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Logprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id, or a message for ERROR
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Load and cache figures the scheduler reports after each step."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # prompt tokens looked up, cumulative
+    prefix_cache_hits: int = 0  # of which found in the cache, cumulative
+    num_preemptions: int = 0  # cumulative
+    step_counter: int = 0
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, gc=False):
+    """Reply to a UTILITY call; ``failure_message`` set means it failed."""
+
+    call_id: int
+    failure_message: str | None = None
+    result: msgspec.Raw | None = None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Everything one engine sends to one client after a step."""
+
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+    finished_requests: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.timestamp == 0.0:
+            self.timestamp = time.monotonic()

@@ -1,0 +1,127 @@
+"""Engine-side request state."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+
+from corefleet.engine.protocol import EngineCoreRequest, FinishReason, SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request; every status after PREEMPTED is a finished one."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+    FINISHED_REJECTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> FinishReason | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+    RequestStatus.FINISHED_REJECTED: FinishReason.REJECTED,
+}
+
+# (request) -> block hashes of the request's full blocks not hashed yet.
+BlockHasher = Callable[["Request"], list[bytes]]
+
+
+class Request:
+    """A request inside the engine: its tokens, progress and KV-cache identity."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        client_index: int = 0,
+        cache_salt: str | None = None,
+        block_hasher: BlockHasher | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.eos_token_id = None if sampling_params.ignore_eos else eos_token_id
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.client_index = client_index
+        self.cache_salt = cache_salt
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+        self.prompt_token_ids = prompt_token_ids
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt tokens found in the prefix cache (-1: not looked up)
+        self.num_preemptions = 0
+        self.max_tokens = sampling_params.max_tokens
+
+        self.block_hashes: list[bytes] = []
+        self._block_hasher = block_hasher
+        if block_hasher is not None:
+            self.block_hashes.extend(block_hasher(self))
+
+    @classmethod
+    def from_engine_core_request(
+        cls, req: EngineCoreRequest, eos_token_id: int | None, block_hasher: BlockHasher | None
+    ) -> Request:
+        return cls(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            eos_token_id,
+            arrival_time=req.arrival_time or None,
+            priority=req.priority,
+            client_index=req.client_index,
+            cache_salt=req.cache_salt,
+            block_hasher=block_hasher,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def append_output_token_ids(self, token_id: int) -> None:
+        """Record one generated token and hash any block it completes."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    def __lt__(self, other: Request) -> bool:
+        """Priority order: lower ``priority`` first, then earlier arrival."""
+        return (self.priority, self.arrival_time, self.request_id) < (
+            other.priority,
+            other.arrival_time,
+            other.request_id,
+        )

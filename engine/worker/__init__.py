@@ -1,0 +1,1 @@
+"""Model runner, executor and sampler."""

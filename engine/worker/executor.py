@@ -1,0 +1,85 @@
+"""Runs the model runner off the engine's main thread so ``step()`` can overlap CPU work.
+
+One process, one device for now; the interface (``execute_model(..., non_block=True)`` returning
+a future, a failure callback) is what a multi-process tensor-parallel executor would keep.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from corefleet.engine import envs
+from corefleet.engine.config import EngineConfig
+from corefleet.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from corefleet.engine.models.loader import load_arch_config
+from corefleet.engine.worker.model_runner import TORCH_DTYPES, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    """``auto``: the checkpoint's half-precision type on GPU; float32 on CPU (as vLLM on CPU
+    without a bf16 request)."""
+    if requested != "auto":
+        return TORCH_DTYPES[requested]
+    if device.type == "cuda":
+        return torch.bfloat16 if checkpoint_dtype in (None, "bfloat16", "float32") else \
+            TORCH_DTYPES.get(checkpoint_dtype, torch.bfloat16)
+    return torch.float32
+
+
+class UniProcExecutor:
+    """The model runner on a single background thread."""
+
+    def __init__(self, config: EngineConfig, model_path: str) -> None:
+        threads = envs.cpu_threads()
+        if threads > 0:
+            torch.set_num_threads(threads)
+        torch.manual_seed(config.model.seed)
+        arch = load_arch_config(model_path)
+        device = resolve_device(config.device.device)
+        dtype = resolve_dtype(config.model.dtype, arch.torch_dtype, device)
+        self.runner = ModelRunner(config, arch, model_path, device, dtype)
+        self.runner.load_model()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="corefleet-executor")
+        self._failure_callback: Callable[[], None] | None = None
+
+    def register_failure_callback(self, callback: Callable[[], None]) -> None:
+        """Called (from the executor thread) when ``execute_model`` raises."""
+        self._failure_callback = callback
+
+    def determine_num_blocks(self) -> int:
+        return self.runner.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> Future[ModelRunnerOutput]:
+        future = self._pool.submit(self._run, scheduler_output)
+        if not non_block:
+            future.result()
+        return future
+
+    def _run(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        try:
+            return self.runner.execute_model(scheduler_output)
+        except BaseException:
+            logger.exception("execute_model failed")
+            if self._failure_callback is not None:
+                self._failure_callback()
+            raise
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

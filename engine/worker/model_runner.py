@@ -1,0 +1,205 @@
+"""Turns a SchedulerOutput into one forward pass and one sampling call."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from corefleet.engine.config import EngineConfig
+from corefleet.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from corefleet.engine.models.arch import ArchConfig
+from corefleet.engine.models.llama import KVCache, LlamaForCausalLM
+from corefleet.engine.models.loader import load_weights
+from corefleet.engine.protocol import Logprobs
+from corefleet.engine.worker.input_batch import InputBatch, StepInputs
+from corefleet.engine.worker.sampler import Sampler, SamplingMetadata
+from corefleet.kernels.backend import select_attention_backend
+from corefleet.kernels.metadata import AttentionMetadata, PrefillSpan
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    """Owns the model, its KV cache and the per-request batch state on one device."""
+
+    def __init__(self, config: EngineConfig, arch: ArchConfig, model_path: str,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.arch = arch
+        self.model_path = model_path
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.cache.block_size
+        assert config.model.max_model_len is not None, "max_model_len must be resolved"
+        self.max_model_len = config.model.max_model_len
+        self.backend = select_attention_backend(config.device.attention_backend, device)
+        self.model: LlamaForCausalLM | None = None
+        self.kv_caches: list[KVCache] = []
+        self.sampler = Sampler()
+        self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len,
+                                self.block_size)
+
+    # ---- start-up -------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        started = time.perf_counter()
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.arch, self.backend, self.max_model_len)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        # The rotary table is computed, not loaded: rebuild it after materialising.
+        model.register_buffer("cos_sin_cache", _cos_sin(self.arch, self.max_model_len,
+                                                        self.device), persistent=False)
+        if self.arch.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.load_weights(load_weights(self.model_path, self.dtype))
+        self.model = model.eval()
+        logger.info("loaded %s (%s, %d layers) in %.1f s", self.model_path, self.dtype,
+                    self.arch.num_hidden_layers, time.perf_counter() - started)
+
+    def kv_bytes_per_block(self) -> int:
+        a = self.arch
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * a.num_hidden_layers * self.block_size * a.num_key_value_heads * a.head_dim * elem
+
+    def determine_num_blocks(self) -> int:
+        """Blocks that fit the KV budget: ``--kv-cache-memory`` on CPU, a fraction of GPU memory
+        after the model is loaded on CUDA."""
+        cache = self.config.cache
+        if cache.num_blocks_override is not None:
+            return cache.num_blocks_override
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = int(total * cache.gpu_memory_utilization) - used
+        else:
+            budget = cache.kv_cache_memory
+        num_blocks = budget // self.kv_bytes_per_block()
+        if num_blocks < 2:
+            raise ValueError(
+                f"the KV cache budget of {budget} bytes holds no block of "
+                f"{self.kv_bytes_per_block()} bytes; raise --kv-cache-memory or "
+                "--gpu-memory-utilization"
+            )
+        return int(num_blocks)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        a = self.arch
+        shape = (num_blocks, self.block_size, a.num_key_value_heads, a.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(a.num_hidden_layers)
+        ]
+
+    # ---- one step -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        num_computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        num_computed.update((r.req_id, r.num_computed_tokens) for r in so.scheduled_cached_reqs)
+        inputs = self.batch.prepare(so.num_scheduled_tokens, num_computed)
+        meta = self._attention_metadata(inputs)
+        assert self.model is not None, "load_model() first"
+        hidden = self.model(self._to_device(inputs.input_ids), self._to_device(inputs.positions),
+                            self.kv_caches, meta)  # [T, H]
+        return self._sample(inputs, hidden)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.batch.remove(req_id)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(self.device).manual_seed(params.seed)
+            self.batch.add(new.req_id, new.token_ids,
+                           len(new.token_ids) - new.num_output_tokens,
+                           new.block_ids, params, generator)
+        for cached in so.scheduled_cached_reqs:
+            self.batch.append_blocks(self.batch.requests[cached.req_id].row, cached.new_block_ids)
+
+    def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        nd = inputs.num_decodes
+        decode_slots = decode_mask = None
+        if nd:
+            lens = inputs.context_lens[:nd]
+            max_len = int(lens.max())
+            slots = self.batch.context_slots(inputs.rows[:nd], max_len)  # [Bd, L]
+            decode_slots = self._to_device(slots)
+            mask = np.arange(max_len)[None, :] < lens[:, None]  # [Bd, L]
+            decode_mask = self._to_device(mask)[:, None, None, :]
+        prefills = []
+        token_start = nd
+        for i in range(nd, len(inputs.req_ids)):
+            n, ctx = int(inputs.query_lens[i]), int(inputs.context_lens[i])
+            slots_i = None
+            if ctx > n:  # part of the context is already cached: attend through the cache
+                slots_i = self._to_device(self.batch.context_slots(inputs.rows[i : i + 1], ctx)[0])
+            prefills.append(PrefillSpan(token_start, n, ctx, slots_i))
+            token_start += n
+        return AttentionMetadata(
+            num_tokens=len(inputs.input_ids),
+            slot_mapping=self._to_device(inputs.slot_mapping),
+            num_decodes=nd,
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+
+    def _sample(self, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+        assert self.model is not None
+        sampling_idx = np.flatnonzero(inputs.sample_mask)  # requests that produce a token
+        last_token = np.cumsum(inputs.query_lens) - 1  # [B] row of each request's last token
+        logits = self.model.compute_logits(
+            hidden[self._to_device(last_token[sampling_idx])]
+        )  # [N, V]
+        states = [self.batch.requests[inputs.req_ids[i]] for i in sampling_idx]
+        meta = SamplingMetadata.build(
+            params=[s.sampling_params for s in states],
+            generators=[s.generator for s in states],
+            output_token_ids=[self.batch.output_token_ids(s) for s in states]
+            if _needs_history(states) else [[] for _ in states],
+            prompt_token_ids=[self.batch.prompt_token_ids(s) for s in states]
+            if _needs_history(states) else [[] for _ in states],
+            vocab_size=self.arch.vocab_size,
+            device=self.device,
+        )
+        out = self.sampler(logits, meta)
+        sampled = out.sampled_token_ids.tolist()
+        sampled_by_req: list[list[int]] = [[] for _ in inputs.req_ids]
+        logprobs: dict[str, Logprobs] = {}
+        for k, i in enumerate(sampling_idx):
+            state = states[k]
+            self.batch.append_token(state.row, sampled[k])
+            sampled_by_req[i] = [sampled[k]]
+            row_logprobs = out.logprobs[k] if out.logprobs is not None else None
+            if row_logprobs is not None:
+                logprobs[state.req_id] = row_logprobs
+        return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled_by_req,
+                                 logprobs=logprobs)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+
+def _needs_history(states: list) -> bool:  # type: ignore[type-arg]
+    return any(
+        s.sampling_params.presence_penalty or s.sampling_params.frequency_penalty
+        or s.sampling_params.repetition_penalty != 1.0
+        for s in states
+    )
+
+
+def _cos_sin(arch: ArchConfig, max_positions: int, device: torch.device) -> torch.Tensor:
+    from corefleet.engine.models.rope import build_cos_sin_cache
+
+    return build_cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta,
+                               arch.rope_scaling).to(device)

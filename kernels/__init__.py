@@ -1,0 +1,1 @@
+"""Attention and layer kernels: a torch reference (also the CPU path), Triton, flash-attn."""

@@ -1,0 +1,39 @@
+"""Per-step attention inputs, built once by the model runner and shared by every layer.
+
+Batch layout: the flattened token batch holds the *decode-like* requests first (one new token
+each), then the requests that compute several tokens this step (prefill chunks). Decode rows are
+attended to in one padded, vectorised call; multi-token rows one request at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillSpan:
+    """One request computing several tokens this step."""
+
+    token_start: int  # first row of this request in the flattened batch
+    num_new_tokens: int  # rows it owns: [token_start, token_start + num_new_tokens)
+    context_len: int  # tokens in its KV cache after this step (cached + new)
+    context_slots: torch.Tensor | None  # [context_len] int64 cache slots; None if no cached prefix
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the new tokens' K/V go and what each query attends to."""
+
+    num_tokens: int
+    slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot of each new token
+    num_decodes: int  # rows [0, num_decodes) are single-token requests
+    decode_slots: torch.Tensor | None  # [num_decodes, max_len] int64 flat slots (0 past the end)
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool, True = attend
+    prefills: list[PrefillSpan]
+    # For backends that take block tables directly (Triton, flash-attn); the torch path uses
+    # the precomputed slots above.
+    block_tables: torch.Tensor | None = None  # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor | None = None  # [num_reqs] int32, context length after this step
+    query_start_loc: torch.Tensor | None = None  # [num_reqs + 1] int32

@@ -1,0 +1,146 @@
+"""Readable torch implementations: the test oracle for every kernel and the CPU path.
+
+KV cache layout (per layer): ``k_cache`` and ``v_cache`` are ``[num_blocks, block_size,
+num_kv_heads, head_dim]``; token slot ``s`` lives at block ``s // block_size``, offset
+``s % block_size``. Block 0 is reserved and never written by a real request.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from corefleet.kernels.metadata import AttentionMetadata, PrefillSpan
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """Store each new token's K and V at its cache slot."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D] the new tokens' keys (already in the cache too)
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Causal attention of every new token over its request's cached and new tokens."""
+    out = torch.empty_like(query)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    if meta.num_decodes:
+        assert meta.decode_slots is not None and meta.decode_mask is not None
+        out[: meta.num_decodes] = _decode_attention(
+            query[: meta.num_decodes], flat_k, flat_v, meta.decode_slots, meta.decode_mask, scale
+        )
+    for span in meta.prefills:
+        rows = slice(span.token_start, span.token_start + span.num_new_tokens)
+        out[rows] = _prefill_attention(query[rows], key[rows], value[rows], flat_k, flat_v, span,
+                                       scale)
+    return out
+
+
+def _decode_attention(
+    query: torch.Tensor,  # [B, Hq, D]
+    flat_k: torch.Tensor,  # [num_slots, Hkv, D]
+    flat_v: torch.Tensor,  # [num_slots, Hkv, D]
+    slots: torch.Tensor,  # [B, L] int64
+    mask: torch.Tensor,  # [B, 1, 1, L] bool
+    scale: float,
+) -> torch.Tensor:  # [B, Hq, D]
+    keys = flat_k[slots].transpose(1, 2)  # [B, Hkv, L, D]
+    values = flat_v[slots].transpose(1, 2)  # [B, Hkv, L, D]
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2),  # [B, Hq, 1, D]
+        keys,
+        values,
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )  # [B, Hq, 1, D]
+    return out.squeeze(2)
+
+
+def _prefill_attention(
+    query: torch.Tensor,  # [Tq, Hq, D]
+    key: torch.Tensor,  # [Tq, Hkv, D]
+    value: torch.Tensor,  # [Tq, Hkv, D]
+    flat_k: torch.Tensor,  # [num_slots, Hkv, D]
+    flat_v: torch.Tensor,  # [num_slots, Hkv, D]
+    span: PrefillSpan,
+    scale: float,
+) -> torch.Tensor:  # [Tq, Hq, D]
+    q = query.transpose(0, 1)  # [Hq, Tq, D]
+    if span.context_slots is None:
+        # Nothing cached before this chunk: plain causal attention over the new tokens.
+        k, v = key.transpose(0, 1), value.transpose(0, 1)  # [Hkv, Tq, D]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                             enable_gqa=True)
+        return out.transpose(0, 1)
+    k = flat_k[span.context_slots].transpose(0, 1)  # [Hkv, L, D]
+    v = flat_v[span.context_slots].transpose(0, 1)  # [Hkv, L, D]
+    # Query i sits at position (L - Tq + i) and sees keys up to and including that position.
+    num_new, context_len = span.num_new_tokens, span.context_len
+    q_pos = torch.arange(context_len - num_new, context_len, device=query.device)
+    k_pos = torch.arange(context_len, device=query.device)
+    mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [Tq, L]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm, optionally fused with the residual add; returns (normed, new residual).
+
+    Statistics are computed in float32 and the result cast back before the weight multiply,
+    as Hugging Face's Llama does, so float32 outputs match it bit for bit.
+    """
+    if residual is not None:
+        x = x + residual
+    residual_out = x
+    xf = x.float()
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    normed = (xf * torch.rsqrt(variance + eps)).to(x.dtype)
+    return weight * normed, residual_out
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [T] int64
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, D] float32: cos in [:, :D/2], sin in [:, D/2:]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate query and key by their positions (GPT-NeoX "rotate half" layout, as HF Llama)."""
+    half = cos_sin_cache.shape[1] // 2
+    cos_sin = cos_sin_cache.index_select(0, positions)  # [T, D]
+    cos = cos_sin[:, :half].repeat(1, 2).unsqueeze(1)  # [T, 1, D]
+    sin = cos_sin[:, half:].repeat(1, 2).unsqueeze(1)  # [T, 1, D]
+    return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype)).to(x.dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """SwiGLU activation on a fused gate/up projection: silu(gate) * up."""
+    half = x.shape[-1] // 2
+    return F.silu(x[..., :half]) * x[..., half:]
