@@ -1,0 +1,222 @@
+"""Glue between kopf's handlers and the pure parts: observe -> plan -> act -> status.
+
+`main.py`'s handlers (create, update, resume, the timer, pod events) all call
+`reconcile_engine` for one InferenceEngine. It reads the children from kopf's in-memory indexes
+(never a list call), asks `reconcile.plan` for actions, executes them with the operator's API
+client, posts Events, and writes `.status` through the status subresource when it changed.
+Calls for the same engine are serialized and coalesced: a burst of pod events causes one
+reconcile that sees the latest state, not one per event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, cast
+
+import kopf
+from corefleet.operator import admin
+from corefleet.operator import pods as podlib
+from corefleet.operator.curve import generate_keys
+from corefleet.operator.kube import KubeClient
+from corefleet.operator.reconcile import Action, Observed, Policy, plan
+from corefleet.operator.resources import (
+    COORDINATOR_HTTP_PORT,
+    Owner,
+    coordinator_name,
+    curve_secret_name,
+)
+from corefleet.operator.spec import InvalidSpec, parse_spec
+from corefleet.operator.status import Context, compute_status, invalid_spec_status, rank_events
+
+Key = tuple[str, str]  # (namespace, engine name)
+RANK_EVENTS = {"RankCreated", "RankScaledDown", "RankReplaced", "RankFailedReplaced"}
+
+
+def _utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+@dataclasses.dataclass
+class Runtime:
+    """Operator-wide state shared by all handlers (lives in kopf's memo)."""
+
+    policy: Policy = dataclasses.field(default_factory=Policy)
+    request_timeout: float = 10.0
+    admin_probe: bool = True
+    admin_timeout: float = 1.0
+    admin_interval: float = 10.0
+    clock: Callable[[], datetime.datetime] = _utcnow
+    client: KubeClient | None = None
+    locks: dict[Key, asyncio.Lock] = dataclasses.field(default_factory=dict)
+    pending: set[Key] = dataclasses.field(default_factory=set)
+    last_status: dict[Key, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    admin_cache: dict[Key, tuple[float, dict[int, str] | None]] = dataclasses.field(
+        default_factory=dict
+    )
+
+    def connect(self, info: kopf.ConnectionInfo) -> None:
+        """Use new credentials (kopf's login handler calls this)."""
+        self.client = KubeClient(info, timeout=self.request_timeout)
+
+    def forget(self, key: Key) -> None:
+        """Drop what is remembered about an engine that is gone."""
+        self.locks.pop(key, None)
+        self.last_status.pop(key, None)
+        self.admin_cache.pop(key, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Indexes:
+    """kopf's in-memory indexes of the children, keyed by (namespace, engine)."""
+
+    pods: Mapping[Key, Iterable[Mapping[str, Any]]]
+    children: Mapping[Key, Iterable[Mapping[str, Any]]]
+
+    def observe(self, key: Key, replacements: Mapping[int, int]) -> Observed:
+        """The `Observed` input of the reconcile for one engine."""
+        pods = {}
+        for pod in self.pods.get(key, ()):
+            rank = podlib.rank_of(pod)
+            if rank is not None:
+                pods[rank] = pod
+        children = {(c["kind"], c["name"]): c.get("hash") for c in self.children.get(key, ())}
+        return Observed(pods=pods, children=children, replacements=replacements)
+
+    def coordinator_available(self, key: Key) -> bool:
+        """The coordinator Deployment reports an available pod."""
+        return any(
+            c["kind"] == "Deployment" and c.get("available") for c in self.children.get(key, ())
+        )
+
+
+def _post(body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
+    # kopf only reads apiVersion, kind and metadata from the body to build the reference.
+    kopf.event(cast(kopf.Body, body), type=kind, reason=reason, message=message)
+
+
+async def _execute(
+    client: KubeClient,
+    namespace: str,
+    actions: Iterable[Action],
+    body: Mapping[str, Any],
+    logger: kopf.Logger,
+) -> None:
+    for action in actions:
+        if action.verb == "create":
+            assert action.body is not None
+            await client.create(action.body)
+        elif action.verb == "patch":
+            assert action.body is not None
+            await client.patch(action.kind, namespace, action.name, action.body)
+        else:
+            await client.delete(action.kind, namespace, action.name)
+        logger.info("%s %s %s: %s", action.verb, action.kind, action.name, action.message)
+        if action.reason in RANK_EVENTS:
+            _post(body, "Normal", action.reason, action.message)
+
+
+async def _joined(runtime: Runtime, key: Key, ready: bool) -> dict[int, str] | None:
+    if not (runtime.admin_probe and ready):
+        return None
+    now = time.monotonic()
+    cached = runtime.admin_cache.get(key)
+    if cached is not None and now - cached[0] < runtime.admin_interval:
+        return cached[1]
+    namespace, name = key
+    url = f"http://{coordinator_name(name)}.{namespace}.svc:{COORDINATOR_HTTP_PORT}/admin/engines"
+    joined = await admin.fetch_engines(url, runtime.admin_timeout)
+    runtime.admin_cache[key] = (now, joined)
+    return joined
+
+
+async def _volume_missing(
+    client: KubeClient, namespace: str, volume: Mapping[str, Any] | None, observed: Observed
+) -> bool:
+    claim = (volume or {}).get("persistentVolumeClaim") or {}
+    if not claim.get("claimName"):
+        return False
+    if observed.pods and all(podlib.is_ready(p) for p in observed.pods.values()):
+        return False  # running ranks prove it exists; skip the read
+    return await client.get("PersistentVolumeClaim", namespace, claim["claimName"]) is None
+
+
+async def _write_status(
+    runtime: Runtime,
+    key: Key,
+    body: Mapping[str, Any],
+    previous: Mapping[str, Any],
+    status: dict[str, Any],
+) -> None:
+    assert runtime.client is not None
+    if status != previous:
+        await runtime.client.patch(
+            "InferenceEngine", key[0], key[1], {"status": status}, subresource="status"
+        )
+    runtime.last_status[key] = status
+    for event in rank_events(previous.get("ranks") or [], status.get("ranks") or []):
+        _post(body, event.type, event.reason, event.message)
+
+
+async def reconcile_engine(
+    body: Mapping[str, Any], runtime: Runtime, indexes: Indexes, logger: kopf.Logger
+) -> str | None:
+    """Reconcile one InferenceEngine; returns the InvalidSpec message if its spec is unusable.
+
+    Coalesces: if a reconcile for the same engine is already waiting, this call returns at once
+    (the waiting one will see the newer state).
+    """
+    meta = body["metadata"]
+    key: Key = (meta["namespace"], meta["name"])
+    if meta.get("deletionTimestamp"):
+        runtime.forget(key)
+        return None
+    if key in runtime.pending:
+        return None
+    runtime.pending.add(key)
+    async with runtime.locks.setdefault(key, asyncio.Lock()):
+        runtime.pending.discard(key)
+        return await _reconcile_locked(body, key, runtime, indexes, logger)
+
+
+async def _reconcile_locked(
+    body: Mapping[str, Any], key: Key, runtime: Runtime, indexes: Indexes, logger: kopf.Logger
+) -> str | None:
+    client = runtime.client
+    if client is None:
+        raise kopf.TemporaryError("not logged in to the API yet", delay=1)
+    meta, now = body["metadata"], runtime.clock()
+    generation = int(meta.get("generation") or 1)
+    previous = runtime.last_status.get(key) or dict(body.get("status") or {})
+    try:
+        spec = parse_spec(body.get("spec") or {})
+    except InvalidSpec as exc:
+        await _write_status(
+            runtime, key, body, previous, invalid_spec_status(previous, generation, str(exc), now)
+        )
+        return str(exc)
+    owner = Owner(name=key[1], namespace=key[0], uid=meta["uid"])
+    replacements = {
+        int(r["rank"]): int(r["replacements"])
+        for r in previous.get("ranks") or []
+        if r.get("replacements")
+    }
+    observed = indexes.observe(key, replacements)
+    secret_missing = ("Secret", curve_secret_name(owner.name)) not in observed.children
+    result = plan(
+        owner, spec, observed, now, runtime.policy, generate_keys() if secret_missing else None
+    )
+    await _execute(client, key[0], result.actions, body, logger)
+    coordinator_ready = indexes.coordinator_available(key)
+    ctx = Context(
+        generation=generation,
+        coordinator_ready=coordinator_ready,
+        volume_missing=await _volume_missing(client, key[0], spec.model.volume, observed),
+        joined=await _joined(runtime, key, coordinator_ready),
+    )
+    status = compute_status(owner, spec, observed, result, ctx, previous, now)
+    await _write_status(runtime, key, body, previous, status)
+    return None

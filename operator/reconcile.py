@@ -1,0 +1,262 @@
+"""The pure reconcile: (spec, observed children) -> the actions that move them toward the spec.
+
+Called by `controller.reconcile_engine` on every trigger (create, update, resume, the timer, and
+events of the engine's pods); it is level-based, so it looks only at what exists now and never at
+what changed. It never talks to the API: the caller executes the returned actions in order and the
+next call sees their effect.
+
+Rules, in the order they are applied:
+
+1. Children other than the rank pods are created when missing and patched when their spec hash
+   differs from the one the builders produce now. The CURVE Secret is only ever created.
+2. Scale down: ranks >= dataParallelSize are deleted, highest first. Their SIGTERM drains them;
+   they are first annotated do-not-disrupt so no autoscaler kills the node under a drain.
+3. A rank whose pod is finished (phase Failed/Succeeded: evicted, node lost) is deleted so it can be
+   recreated; repeated failures of the same rank back off exponentially.
+4. Missing ranks below dataParallelSize are created (pod names are fixed, so a rank whose old pod
+   is still terminating waits for it to go).
+5. Rolling update: ranks created from an older spec are replaced one at a time, highest rank
+   first, each only after every current-spec rank is Ready. A rank that is not Ready gates the
+   rollout for at most progressDeadlineSeconds (the escape hatch: a crash-looping rank cannot
+   deadlock a rollout). Outdated ranks that are not Ready anyway are replaced at once: they serve
+   nothing, and a fixed spec must be able to replace a broken one.
+6. Ranks carry autoscaler do-not-disrupt annotations exactly while they are not Ready (loading).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Mapping
+from typing import Any
+
+from corefleet.operator import pods as podlib
+from corefleet.operator.curve import CurveKeys
+from corefleet.operator.resources import (
+    DO_NOT_DISRUPT,
+    HASH_ANNOTATION,
+    Owner,
+    build_children,
+    build_engine_pod,
+    curve_secret_name,
+    disruption_guard,
+    engine_pod_name,
+    engine_pod_template,
+    spec_hash,
+)
+from corefleet.operator.spec import EngineSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """One API write. `body` is the manifest (create) or a JSON merge patch (patch)."""
+
+    verb: str  # create | patch | delete
+    kind: str  # Pod, Service, ConfigMap, Secret, Deployment, PodDisruptionBudget, NetworkPolicy
+    name: str
+    body: Mapping[str, Any] | None = None
+    reason: str = ""  # CamelCase, also the Event reason for rank actions
+    message: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Timing knobs of the reconcile (the operator's, not the user's)."""
+
+    failed_backoff_seconds: float = 10.0  # wait before replacing a rank that failed again
+    failed_backoff_max_seconds: float = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Observed:
+    """What exists now for one engine.
+
+    Attributes:
+        pods: rank -> pod body, for every pod labelled with this engine and a rank.
+        children: (kind, name) -> spec-hash annotation, for every other child that exists.
+        replacements: rank -> how often its failed pod was replaced in a row (from status).
+    """
+
+    pods: Mapping[int, Mapping[str, Any]]
+    children: Mapping[tuple[str, str], str | None]
+    replacements: Mapping[int, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The actions plus what the status needs to know about the rollout."""
+
+    actions: tuple[Action, ...]
+    replacements: dict[int, int]  # updated counts, to be stored in status
+    desired_hash: str
+    waiting_for: int | None  # the rank the rollout waits on, if it waits
+    deadline_exceeded: tuple[int, ...]  # current-spec ranks not Ready within the deadline
+
+
+def _child_patch(child: Mapping[str, Any]) -> dict[str, Any]:
+    meta = child["metadata"]
+    patch: dict[str, Any] = {
+        "metadata": {
+            "labels": meta["labels"],
+            "annotations": {HASH_ANNOTATION: meta["annotations"][HASH_ANNOTATION]},
+        }
+    }
+    for key in ("spec", "data"):
+        if key in child:
+            patch[key] = child[key]
+    return patch
+
+
+def _children_actions(
+    owner: Owner, spec: EngineSpec, observed: Observed, keys: CurveKeys | None
+) -> list[Action]:
+    secret_missing = ("Secret", curve_secret_name(owner.name)) not in observed.children
+    actions = []
+    for child in build_children(owner, spec, keys if secret_missing else None):
+        kind, name = child["kind"], child["metadata"]["name"]
+        want = child["metadata"]["annotations"][HASH_ANNOTATION]
+        if (kind, name) not in observed.children:
+            actions.append(
+                Action("create", kind, name, child, "ChildCreated", f"created {kind} {name}")
+            )
+        elif observed.children[(kind, name)] != want and kind != "Secret":
+            actions.append(
+                Action(
+                    "patch",
+                    kind,
+                    name,
+                    _child_patch(child),
+                    "ChildUpdated",
+                    f"updated {kind} {name} to the current spec",
+                )
+            )
+    return actions
+
+
+def _guard(name: str, on: bool, reason: str) -> Action:
+    body = {"metadata": {"annotations": disruption_guard(on)}}
+    return Action(
+        "patch",
+        "Pod",
+        name,
+        body,
+        reason,
+        "guarded from autoscaler disruption" if on else "released for autoscalers",
+    )
+
+
+def _backoff(policy: Policy, failures: int) -> float:
+    if failures <= 0:
+        return 0.0
+    return min(
+        policy.failed_backoff_seconds * 2 ** (failures - 1), policy.failed_backoff_max_seconds
+    )
+
+
+def plan(
+    owner: Owner,
+    spec: EngineSpec,
+    observed: Observed,
+    now: datetime.datetime,
+    policy: Policy = Policy(),
+    keys: CurveKeys | None = None,
+) -> Plan:
+    """Compute the actions for one engine.
+
+    Args:
+        owner: the InferenceEngine's identity (children get owner references to it).
+        spec: the parsed spec.
+        observed: the children that exist now.
+        now: the current time (ages, deadlines, back-off).
+        policy: operator timing knobs.
+        keys: fresh CURVE keys, used only if the Secret is missing (pure: no randomness here).
+    """
+    actions = _children_actions(owner, spec, observed, keys)
+    want = spec_hash(engine_pod_template(owner.name, spec))
+    size, pods = spec.data_parallel_size, observed.pods
+    replacements = {r: c for r, c in observed.replacements.items() if r < size}
+    live = {r: p for r, p in pods.items() if not podlib.is_terminating(p)}
+
+    for rank in sorted((r for r in live if r >= size), reverse=True):  # 2. scale down
+        name = engine_pod_name(owner.name, rank)
+        if not podlib.is_finished(live[rank]):
+            actions.append(_guard(name, True, "DrainGuard"))
+        actions.append(
+            Action(
+                "delete",
+                "Pod",
+                name,
+                None,
+                "RankScaledDown",
+                f"rank {rank} removed by scale-down to {size}; it drains",
+            )
+        )
+
+    for rank in sorted(r for r in live if r < size and podlib.is_finished(live[r])):  # 3.
+        failures = replacements.get(rank, 0)
+        if podlib.age_seconds(live[rank], now) >= _backoff(policy, failures):
+            replacements[rank] = failures + 1
+            actions.append(
+                Action(
+                    "delete",
+                    "Pod",
+                    engine_pod_name(owner.name, rank),
+                    None,
+                    "RankFailedReplaced",
+                    f"rank {rank} pod failed; replacing it (attempt {failures + 1})",
+                )
+            )
+
+    for rank in range(size):  # 4. missing ranks
+        if rank not in pods:
+            actions.append(
+                Action(
+                    "create",
+                    "Pod",
+                    engine_pod_name(owner.name, rank),
+                    build_engine_pod(owner, spec, rank),
+                    "RankCreated",
+                    f"rank {rank} created",
+                )
+            )
+
+    active = {r: p for r, p in live.items() if r < size and not podlib.is_finished(p)}
+    for rank, pod in sorted(active.items()):  # 6. disruption guard follows readiness
+        guarded = (pod.get("metadata", {}).get("annotations") or {}).get(DO_NOT_DISRUPT) == "true"
+        if podlib.is_ready(pod) == guarded:
+            name = engine_pod_name(owner.name, rank)
+            actions.append(
+                _guard(
+                    name, not podlib.is_ready(pod), "LoadGuard" if guarded is False else "RankReady"
+                )
+            )
+        if podlib.is_ready(pod):
+            replacements.pop(rank, None)
+
+    current = {r: p for r, p in active.items() if podlib.pod_hash(p) == want}
+    unready = [r for r, p in current.items() if not podlib.is_ready(p)]
+    late = tuple(
+        r for r in unready if podlib.age_seconds(current[r], now) >= spec.progress_deadline_seconds
+    )
+    waiting = [r for r in range(size) if r not in live] + [r for r in unready if r not in late]
+    outdated = sorted((r for r in active if r not in current), reverse=True)
+    broken = [r for r in outdated if not podlib.is_ready(active[r])]
+    replace = broken or (outdated[:1] if not waiting else [])
+    for rank in replace:  # 5. rolling update
+        actions.append(
+            Action(
+                "delete",
+                "Pod",
+                engine_pod_name(owner.name, rank),
+                None,
+                "RankReplaced",
+                f"rank {rank} replaced by the rolling update",
+            )
+        )
+    return Plan(
+        actions=tuple(actions),
+        replacements=replacements,
+        desired_hash=want,
+        waiting_for=min(waiting) if waiting and outdated and not broken else None,
+        deadline_exceeded=late,
+    )
