@@ -3,8 +3,9 @@
 Two sources, no transformers at run time:
 
 * a Hugging Face folder: ``tokenizer.json`` as saved, with ``tokenizer_config.json`` for the
-  special tokens, the ``add_bos_token``/``add_eos_token`` flags and the chat template (also read
-  from ``chat_template.jinja`` or ``chat_template.json``);
+  special tokens, the ``add_bos_token``/``add_eos_token`` flags (used only when tokenizer.json
+  has no post-processor) and the chat template (also read from ``chat_template.jinja`` or
+  ``chat_template.json``);
 * a GGUF file: a byte-level BPE rebuilt from the metadata (see ``_gguf_backend``).
 
 Incremental detokenization for streaming lives in ``corefleet.engine.detokenizer``.
@@ -24,7 +25,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
-from corefleet.engine.models.gguf_loader import gguf_value, open_gguf
+from corefleet.engine.models.gguf_loader import GGUFTokenizerMetadata, read_gguf_tokenizer_metadata
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
@@ -277,10 +278,11 @@ def _from_hf_folder(folder: Path) -> Tokenizer:
     special_map = _read_json(folder / "special_tokens_map.json")
     names = ("bos_token", "eos_token", "unk_token", "pad_token")
     tokens = {n: _token_content(config.get(n)) or _token_content(special_map.get(n)) for n in names}
-    # transformers rebuilds the post-processor when the config states either flag (Llama 2's
-    # tokenizer_config says add_bos_token: true) or when tokenizer.json has none; otherwise
-    # tokenizer.json's own post-processor decides (Llama 3 adds <|begin_of_text|> there).
-    if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
+    # tokenizer.json's own post-processor decides BOS/EOS when it has one (Llama 3 adds
+    # <|begin_of_text|> there; transformers 5 ignores tokenizer_config's flags in that case).
+    # Without one, honour add_bos_token/add_eos_token as transformers 4's Llama tokenizer did:
+    # transformers 5 would add nothing, silently dropping a BOS the model was trained with.
+    if backend.post_processor is None:
         backend.post_processor = _bos_eos_processor(
             backend,
             tokens["bos_token"],
@@ -307,11 +309,11 @@ def _byte_alphabet() -> dict[int, str]:
     return mapping
 
 
-def _gguf_backend(meta: dict[str, Any], path: str) -> Backend:
+def _gguf_backend(meta: GGUFTokenizerMetadata, path: str) -> Backend:
     """Byte-level BPE equivalent to the tokenizer llama.cpp builds from the same metadata."""
-    if meta["model"] != "gpt2":
+    if meta.model != "gpt2":
         raise ValueError(
-            f"{path}: GGUF tokenizer model {meta['model']!r} is not supported; supported: "
+            f"{path}: GGUF tokenizer model {meta.model!r} is not supported; supported: "
             "['gpt2'] (byte-level BPE)"
         )
     alphabet = _byte_alphabet()
@@ -320,11 +322,11 @@ def _gguf_backend(meta: dict[str, Any], path: str) -> Backend:
     # their bytes would appear after the ByteLevel pre-tokenizer.
     tokens = [
         t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))
-        for t in meta["tokens"]
+        for t in meta.tokens
     ]
     vocab = {t: i for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]
-    pre = meta.get("pre")
+    merges = [tuple(m.split(" ", 1)) for m in meta.merges]
+    pre = meta.pre
     backend = Backend(
         models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _IGNORE_MERGES, fuse_unk=False)
     )
@@ -349,17 +351,17 @@ def _gguf_backend(meta: dict[str, Any], path: str) -> Backend:
     # Control tokens (<|im_start|>, ...) must match whole in raw text and be skippable as
     # special; user-defined ones (<think>) match whole but stay ordinary text. A control token
     # spelled outside the byte alphabet is a converter mislabel and would get a new id: skip it.
-    named = {meta.get(k) for k in ("bos_id", "eos_id", "unk_id", "pad_id")} - {None}
-    types = meta.get("token_type") or [0] * len(tokens)
+    named = {meta.bos_id, meta.eos_id, meta.unk_id, meta.pad_id} - {None}
+    types = meta.token_types or [0] * len(tokens)
     special = [
         AddedToken(t, special=True, normalized=False)
-        for i, (t, kind) in enumerate(zip(meta["tokens"], types, strict=False))
+        for i, (t, kind) in enumerate(zip(meta.tokens, types, strict=False))
         if (kind == _CONTROL or i in named) and set(t) <= spelled
     ]
     backend.add_special_tokens(special)
     user = [
         AddedToken(t, special=False, normalized=False)
-        for t, kind in zip(meta["tokens"], types, strict=False)
+        for t, kind in zip(meta.tokens, types, strict=False)
         if kind == _USER_DEFINED and t in vocab
     ]
     backend.add_tokens(user)
@@ -367,41 +369,16 @@ def _gguf_backend(meta: dict[str, Any], path: str) -> Backend:
 
 
 def _from_gguf(path: str) -> Tokenizer:
-    reader = open_gguf(path)
-    keys = {
-        "model": "model",
-        "pre": "pre",
-        "tokens": "tokens",
-        "merges": "merges",
-        "token_type": "token_type",
-        "bos_id": "bos_token_id",
-        "eos_id": "eos_token_id",
-        "unk_id": "unknown_token_id",
-        "pad_id": "padding_token_id",
-        "add_bos": "add_bos_token",
-        "add_eos": "add_eos_token",
-    }
-    meta = {k: gguf_value(reader, f"tokenizer.ggml.{key}") for k, key in keys.items()}
-    if not meta["tokens"]:
-        raise ValueError(f"{path}: the GGUF file has no tokenizer (tokenizer.ggml.tokens)")
-    meta["merges"] = meta["merges"] or []
+    meta = read_gguf_tokenizer_metadata(path)
     backend = _gguf_backend(meta, path)
-    tokens = meta["tokens"]
-
-    def token(key: str) -> str | None:
-        i = meta[key]
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
-
-    bos, eos = token("bos_id"), token("eos_id")
     # A BPE vocabulary adds no BOS unless the file says so (llama.cpp's rule for "gpt2").
-    backend.post_processor = _bos_eos_processor(
-        backend, bos, eos, bool(meta["add_bos"]), bool(meta["add_eos"])
-    )
+    bos, eos = meta.token(meta.bos_id), meta.token(meta.eos_id)
+    backend.post_processor = _bos_eos_processor(backend, bos, eos, meta.add_bos, meta.add_eos)
     return Tokenizer(
         backend,
         bos_token=bos,
         eos_token=eos,
-        unk_token=token("unk_id"),
-        pad_token=token("pad_id"),
-        chat_template=gguf_value(reader, "tokenizer.chat_template"),
+        unk_token=meta.token(meta.unk_id),
+        pad_token=meta.token(meta.pad_id),
+        chat_template=meta.chat_template,
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -87,6 +88,60 @@ def gguf_architecture(reader: Any, path: str) -> str:
             f"{sorted(GGUF_ARCHITECTURES)}"
         )
     return str(arch)
+
+
+@dataclass(frozen=True)
+class GGUFTokenizerMetadata:
+    """The ``tokenizer.*`` metadata of a GGUF file (llama.cpp's description of the tokenizer)."""
+
+    model: str | None  # tokenizer.ggml.model: "gpt2" (byte-level BPE), "llama" (SPM), ...
+    pre: str | None  # tokenizer.ggml.pre: which pre-tokenizer split the original used
+    tokens: list[str]
+    merges: list[str]
+    token_types: list[int]
+    bos_id: int | None
+    eos_id: int | None
+    unk_id: int | None
+    pad_id: int | None
+    add_bos: bool
+    add_eos: bool
+    chat_template: str | None
+
+    def token(self, token_id: int | None) -> str | None:
+        """The token string for ``token_id``, or None when absent or out of range."""
+        if token_id is None or not 0 <= token_id < len(self.tokens):
+            return None
+        return self.tokens[token_id]
+
+
+def read_gguf_tokenizer_metadata(path: str) -> GGUFTokenizerMetadata:
+    """Read the tokenizer description stored in a GGUF file.
+
+    Raises:
+        ValueError: unreadable file, or no vocabulary in it.
+    """
+    reader = open_gguf(path)
+
+    def get(key: str) -> Any:
+        return gguf_value(reader, f"tokenizer.ggml.{key}")
+
+    tokens = get("tokens")
+    if not tokens:
+        raise ValueError(f"{path}: the GGUF file has no tokenizer (tokenizer.ggml.tokens)")
+    return GGUFTokenizerMetadata(
+        model=get("model"),
+        pre=get("pre"),
+        tokens=list(tokens),
+        merges=list(get("merges") or []),
+        token_types=[int(t) for t in get("token_type") or []],
+        bos_id=get("bos_token_id"),
+        eos_id=get("eos_token_id"),
+        unk_id=get("unknown_token_id"),
+        pad_id=get("padding_token_id"),
+        add_bos=bool(get("add_bos_token")),
+        add_eos=bool(get("add_eos_token")),
+        chat_template=gguf_value(reader, "tokenizer.chat_template"),
+    )
 
 
 def read_gguf_arch_config(path: str) -> ArchConfig:
