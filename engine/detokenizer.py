@@ -50,10 +50,13 @@ class IncrementalDetokenizer:
 
     def add_tokens(self, new_token_ids: Sequence[int]) -> str:
         """Append generated ids; return the text that became stable (possibly "")."""
-        if not new_token_ids:
-            return ""
-        self._ids.extend(new_token_ids)
-        return self._release(force=False)
+        # One id at a time, so that a batch ending mid-character still releases what came
+        # before that character.
+        deltas = []
+        for token_id in new_token_ids:
+            self._ids.append(token_id)
+            deltas.append(self._release(force=False))
+        return "".join(deltas)
 
     def flush(self) -> str:
         """Release whatever is held back (an incomplete character decodes to U+FFFD).

@@ -1,0 +1,417 @@
+"""Tokenizer, chat template, incremental detokenizer and stop strings.
+
+transformers is the reference: the same file loaded with ``AutoTokenizer`` must give the same
+ids and the same chat text. Tests on the real SmolLM2 GGUF are marked slow (the file is 98 MB
+and transformers needs seconds to build its tokenizer); the tiny HF tokenizer runs fast.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jinja2
+import pytest
+from corefleet.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
+from corefleet.engine.tokenizer import Tokenizer
+
+from tests.fixtures_models import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    write_tiny_gguf,
+    write_tiny_model,
+    write_tiny_tokenizer,
+)
+
+VARIED = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "  leading spaces, internal   runs, and trailing  ",
+    "tabs\tand\ttabs\t\tand\nnewlines\n\n\nend",
+    "Ünïcödé café naïve — “quotes” «guillemets»",
+    "emoji 😀🚀👨‍👩‍👧 and CJK 你好，世界 こんにちは 안녕하세요",
+    "Hello 12345 world 3.14159 -42 1e10",
+    "def f(x):\n    return x ** 2  # square\n\nprint(f(3))",
+    '{"key": [1, 2, 3], "nested": {"a": null}}',
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|>text after<file_sep>more",
+    "don't can't I'M we'll they've it's",
+    "https://example.com/path?q=1&r=two#frag",
+    "",
+    " ",
+]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
+    [
+        {"role": "user", "content": "Tell me a joke."},
+        {"role": "assistant", "content": "Why did the chicken cross the road?"},
+        {"role": "user", "content": "Why? 🤔"},
+    ],
+]
+
+MULTIBYTE = "Sure! 😀🚀 你好，世界 — naïve café. 👨‍👩‍👧 Привет 안녕 done"
+
+
+# -- SmolLM2 GGUF against transformers ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_path: str) -> Tokenizer:
+    return Tokenizer.from_model_path(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def hf_smol(smollm2_path: str):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(smollm2_path)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", VARIED)
+def test_gguf_encode_matches_transformers(smol: Tokenizer, hf_smol, text: str) -> None:  # type: ignore[no-untyped-def]
+    assert smol.encode(text) == hf_smol.encode(text)
+    assert smol.encode(text, add_special_tokens=False) == hf_smol.encode(
+        text, add_special_tokens=False
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("\n\n1.", [1116, 33, 30]),  # "\n\n" is one token; transformers gives 198, 198
+        ("x  1", [104, 256, 33]),  # "  " (ĠĠ) is one token; transformers gives 216, 216
+        ("tab\t\t3", [15999, 1656, 35]),
+    ],
+)
+def test_gguf_digits_split_like_smollm2_tokenizer_json(
+    smol: Tokenizer,
+    hf_smol,  # type: ignore[no-untyped-def]
+    text: str,
+    expected: list[int],
+) -> None:
+    """Where transformers' GGUF converter ignores tokenizer.ggml.pre="smollm", follow SmolLM2's
+    own tokenizer.json (Digits(individual) then ByteLevel), which llama.cpp also implements."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import pre_tokenizers
+
+    original = Backend.from_str(hf_smol.backend_tokenizer.to_str())
+    original.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    assert smol.encode(text) == original.encode(text).ids == expected
+    assert hf_smol.encode(text) != expected  # the documented transformers difference
+    assert smol.decode(expected) == text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", VARIED)
+def test_gguf_decode_round_trips_and_matches_transformers(
+    smol: Tokenizer,
+    hf_smol,  # type: ignore[no-untyped-def]
+    text: str,
+) -> None:
+    ids = smol.encode(text)
+    assert smol.decode(ids, skip_special_tokens=False) == text
+    for skip in (True, False):
+        assert smol.decode(ids, skip_special_tokens=skip) == hf_smol.decode(
+            ids, skip_special_tokens=skip
+        )
+
+
+@pytest.mark.slow
+def test_gguf_special_tokens(smol: Tokenizer, hf_smol) -> None:  # type: ignore[no-untyped-def]
+    assert smol.vocab_size == len(hf_smol) == 49152
+    assert (smol.bos_token, smol.eos_token) == ("<|im_start|>", "<|im_end|>")
+    assert (smol.bos_token_id, smol.eos_token_id) == (hf_smol.bos_token_id, hf_smol.eos_token_id)
+    assert set(hf_smol.all_special_ids) <= set(smol.all_special_ids)
+    assert smol.all_special_ids == list(range(17))  # the 17 control tokens of the GGUF
+    assert smol.encode("<|im_start|>") == [1]
+    assert smol.decode([1, 19556, 2]) == "Hello"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_gguf_chat_template_matches_transformers(
+    smol: Tokenizer,
+    hf_smol,  # type: ignore[no-untyped-def]
+    conversation: list[dict[str, str]],
+    add_generation_prompt: bool,
+) -> None:
+    ours = smol.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+    theirs = hf_smol.apply_chat_template(
+        conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+    assert ours == theirs
+    assert ours.endswith("<|im_start|>assistant\n") == add_generation_prompt
+
+
+@pytest.mark.slow
+def test_gguf_incremental_detokenizer_multibyte(smol: Tokenizer) -> None:
+    prompt = smol.encode(smol.apply_chat_template(CONVERSATIONS[0]))
+    ids = smol.encode(MULTIBYTE + "<|im_end|>")
+    _check_streaming(smol, prompt, ids)
+
+
+# -- tiny HF folder against transformers --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("tok")
+    dirs = {
+        "absent": base / "absent",
+        "bos": base / "bos",
+        "jinja": base / "jinja",
+    }
+    write_tiny_tokenizer(dirs["absent"])
+    write_tiny_tokenizer(dirs["bos"], add_bos_token=True)
+    write_tiny_tokenizer(dirs["jinja"], chat_template_file=True)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dirs: dict[str, Path]) -> Tokenizer:
+    return Tokenizer.from_model_path(tiny_dirs["absent"])
+
+
+@pytest.mark.parametrize("variant", ["absent", "jinja"])
+def test_hf_folder_matches_transformers(tiny_dirs: dict[str, Path], variant: str) -> None:
+    from transformers import AutoTokenizer
+
+    ours = Tokenizer.from_model_path(tiny_dirs[variant])
+    theirs = AutoTokenizer.from_pretrained(tiny_dirs[variant])
+    for text in VARIED:
+        assert ours.encode(text) == theirs.encode(text), text
+        ids = ours.encode(text)
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    for conversation in CONVERSATIONS:
+        for gen in (True, False):
+            assert ours.apply_chat_template(conversation, add_generation_prompt=gen) == (
+                theirs.apply_chat_template(conversation, add_generation_prompt=gen, tokenize=False)
+            )
+    assert (ours.bos_token_id, ours.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id)
+    assert ours.vocab_size == len(theirs)
+
+
+def test_hf_folder_special_tokens(tiny: Tokenizer) -> None:
+    assert (tiny.bos_token, tiny.eos_token) == (BOS_TOKEN, EOS_TOKEN)
+    assert (tiny.bos_token_id, tiny.eos_token_id) == (0, 2)
+    assert tiny.all_special_ids == [0, 1, 2]
+    assert tiny.encode("<|im_start|>hi<|im_end|>")[0] == 1
+    assert tiny.decode(tiny.encode("<|im_start|>hi<|im_end|>")) == "hi"
+
+
+def test_add_bos_token_flag_without_post_processor(tiny_dirs: dict[str, Path]) -> None:
+    # tokenizer.json has no post-processor here, so tokenizer_config's flag decides.
+    with_bos = Tokenizer.from_model_path(tiny_dirs["bos"])
+    without = Tokenizer.from_model_path(tiny_dirs["absent"])
+    assert with_bos.encode("hi") == [0, *without.encode("hi")]
+    assert with_bos.encode("hi", add_special_tokens=False) == without.encode("hi")
+
+
+def test_tokenizer_json_post_processor_wins(tmp_path: Path) -> None:
+    """A tokenizer.json that adds BOS itself (Llama 3 style) is obeyed, like transformers."""
+    import json
+
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    write_tiny_tokenizer(tmp_path, add_bos_token=False)
+    backend = Backend.from_file(str(tmp_path / "tokenizer.json"))
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B:1", special_tokens=[(BOS_TOKEN, 0)]
+    )
+    backend.save(str(tmp_path / "tokenizer.json"))
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["add_bos_token"] is False
+    ours = Tokenizer.from_model_path(tmp_path)
+    theirs = AutoTokenizer.from_pretrained(tmp_path)
+    assert ours.encode("hello") == theirs.encode("hello")
+    assert ours.encode("hello")[0] == 0
+
+
+def test_tiny_gguf_tokenizer_matches_transformers(tmp_path: Path) -> None:
+    """The GGUF builder on another vocabulary: GPT-2 split, BOS added by the file's flag."""
+    from transformers import AutoTokenizer
+
+    folder = write_tiny_model(tmp_path / "hf")
+    gguf_path = write_tiny_gguf(tmp_path / "tiny.gguf", folder, add_bos_token=True)
+    ours = Tokenizer.from_model_path(gguf_path)
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    for text in VARIED:
+        assert ours.encode(text) == theirs.encode(text), text
+    assert ours.encode("hi")[0] == ours.bos_token_id == 0
+    assert ours.apply_chat_template(CONVERSATIONS[1]) == theirs.apply_chat_template(
+        CONVERSATIONS[1], add_generation_prompt=True, tokenize=False
+    )
+
+
+def test_unsupported_gguf_tokenizer_model(tmp_path: Path) -> None:
+    import gguf
+
+    path = tmp_path / "spm.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>", "\u2581a"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"spm\.gguf.*'llama'.*gpt2"):
+        Tokenizer.from_model_path(path)
+
+
+def test_missing_tokenizer_json(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"tokenizer\.json"):
+        Tokenizer.from_model_path(tmp_path)
+
+
+# -- chat template rendering --------------------------------------------------------------
+
+
+def test_chat_template_variables_and_whitespace_control(tiny: Tokenizer) -> None:
+    text = tiny.apply_chat_template([{"role": "user", "content": "  hi  "}])
+    assert text == (
+        f"{BOS_TOKEN}\n<|im_start|>system\nYou are tiny.<|im_end|>\n"
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_chat_template_raise_exception(tiny: Tokenizer) -> None:
+    with pytest.raises(jinja2.TemplateError, match="unknown role: tool"):
+        tiny.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_chat_template_is_sandboxed() -> None:
+    from jinja2.exceptions import SecurityError
+
+    tok = Tokenizer(
+        _tiny_backend(), chat_template="{{ messages.append({'role': 'x'}) }}{{ messages | length }}"
+    )
+    with pytest.raises(SecurityError):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    escape = Tokenizer(
+        _tiny_backend(), chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    )
+    with pytest.raises(SecurityError):
+        escape.apply_chat_template([])
+
+
+def test_chat_template_tojson_generation_tag_and_kwargs() -> None:
+    template = (
+        "{% for m in messages %}{% generation %}{{ m | tojson }}{% endgeneration %}{% endfor %}"
+        "{{ tools | tojson }}"
+    )
+    tok = Tokenizer(_tiny_backend(), chat_template=template)
+    text = tok.apply_chat_template([{"role": "user", "content": "<b>é</b>"}], tools=[{"a": 1}])
+    assert text == '{"role": "user", "content": "<b>é</b>"}[{"a": 1}]'
+
+
+def test_no_chat_template() -> None:
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer(_tiny_backend()).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def _tiny_backend():  # type: ignore[no-untyped-def]
+    from tests.fixtures_models import train_tiny_tokenizer
+
+    return train_tiny_tokenizer()
+
+
+# -- incremental detokenizer --------------------------------------------------------------
+
+
+def _check_streaming(tok: Tokenizer, prompt: list[int], ids: list[int]) -> None:
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=True)
+    deltas = [detok.add_tokens([i]) for i in ids]
+    deltas.append(detok.flush())
+    assert "".join(deltas) == tok.decode(ids) == detok.output_text
+    assert not any("\ufffd" in d for d in deltas)
+    assert detok.output_token_ids == ids
+    # Some token ended mid-character, so some step released nothing.
+    assert "" in deltas[:-1]
+
+
+def test_incremental_detokenizer_multibyte_tiny(tiny: Tokenizer) -> None:
+    prompt = tiny.encode(tiny.apply_chat_template(CONVERSATIONS[0]))
+    ids = tiny.encode(MULTIBYTE)
+    assert len(ids) > len(MULTIBYTE) // 2  # the tiny vocabulary splits characters into bytes
+    _check_streaming(tiny, prompt, ids)
+
+
+def test_incremental_detokenizer_holds_back_partial_character(tiny: Tokenizer) -> None:
+    ids = tiny.encode("a😀")
+    emoji_ids = ids[1:]
+    assert len(emoji_ids) > 1  # the emoji spans several tokens
+    detok = IncrementalDetokenizer(tiny, [], skip_special_tokens=True)
+    assert detok.add_tokens(ids[:1]) == "a"
+    for i in emoji_ids[:-1]:
+        assert detok.add_tokens([i]) == ""
+    assert detok.add_tokens(emoji_ids[-1:]) == "😀"
+    assert detok.flush() == ""
+
+
+def test_incremental_detokenizer_flush_and_batches(tiny: Tokenizer) -> None:
+    ids = tiny.encode("x😀")
+    detok = IncrementalDetokenizer(tiny, tiny.encode("prompt"), skip_special_tokens=True)
+    assert detok.add_tokens(ids[:-1]) == "x"  # several ids at once; the emoji is incomplete
+    assert detok.flush() == "\ufffd"  # finished mid-character: what a full decode shows
+    assert detok.output_text == tiny.decode(ids[:-1])
+    assert detok.add_tokens([]) == ""
+
+
+def test_incremental_detokenizer_special_tokens(tiny: Tokenizer) -> None:
+    ids = tiny.encode("hi<|im_end|>")
+    skipping = IncrementalDetokenizer(tiny, [], skip_special_tokens=True)
+    keeping = IncrementalDetokenizer(tiny, [], skip_special_tokens=False)
+    assert "".join(skipping.add_tokens([i]) for i in ids) == "hi"
+    assert "".join(keeping.add_tokens([i]) for i in ids) == "hi<|im_end|>"
+
+
+# -- stop strings -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "delta", "stops", "include", "expected"),
+    [
+        ("hello world", 5, [], False, None),
+        ("hello world", 0, ["world"], False, None),
+        ("hello world", 5, ["xyz"], False, None),
+        ("hello world", 5, ["world"], False, ("world", 6)),
+        ("hello world", 5, ["world"], True, ("world", 11)),
+        ("hello world", 3, ["o w"], False, None),  # wholly in old text: found earlier
+        ("hello world", 3, ["lo wor"], False, ("lo wor", 3)),  # spans old and new text
+        ("a STOP b END c", 12, ["END", "STOP"], False, ("STOP", 2)),  # earliest wins
+        ("a STOP b END c", 12, ["END", "STOP"], True, ("STOP", 6)),
+        ("a STOP b END c", 8, ["END", "STOP"], False, ("END", 9)),  # STOP was in old text
+        ("xxab", 2, ["ab", "a"], False, ("ab", 2)),  # same start: earlier entry wins
+        ("abc", 3, ["", "c"], False, ("c", 2)),  # empty stop strings are ignored
+    ],
+)
+def test_check_stop_strings(
+    text: str,
+    delta: int,
+    stops: list[str],
+    include: bool,
+    expected: tuple[str, int] | None,
+) -> None:
+    assert check_stop_strings(text, delta, stops, include) == expected
+
+
+def test_stop_string_streaming_finds_first_occurrence() -> None:
+    text, found = "", None
+    for piece in ["The ans", "wer is", " 42.", " Done", ". The", " end."]:
+        text += piece
+        found = check_stop_strings(text, len(piece), [".", "Done"], False)
+        if found:
+            break
+    assert found == (".", len("The answer is 42"))
