@@ -22,6 +22,7 @@ from corefleet.operator import admin
 from corefleet.operator import pods as podlib
 from corefleet.operator.curve import generate_keys
 from corefleet.operator.kube import KubeClient
+from corefleet.operator.recent import RecentWrites
 from corefleet.operator.reconcile import Action, Observed, Policy, plan
 from corefleet.operator.resources import (
     COORDINATOR_HTTP_PORT,
@@ -33,7 +34,6 @@ from corefleet.operator.spec import InvalidSpec, parse_spec
 from corefleet.operator.status import Context, compute_status, invalid_spec_status, rank_events
 
 Key = tuple[str, str]  # (namespace, engine name)
-CREATED_MEMORY_SECONDS = 10.0
 RANK_EVENTS = {"RankCreated", "RankScaledDown", "RankReplaced", "RankFailedReplaced"}
 
 
@@ -58,9 +58,7 @@ class Runtime:
     admin_cache: dict[Key, tuple[float, dict[int, str] | None]] = dataclasses.field(
         default_factory=dict
     )
-    created: dict[Key, dict[tuple[str, str], tuple[float, Mapping[str, Any]]]] = dataclasses.field(
-        default_factory=dict
-    )
+    recent: dict[Key, RecentWrites] = dataclasses.field(default_factory=dict)
 
     def connect(self, info: kopf.ConnectionInfo) -> None:
         """Use new credentials (kopf's login handler calls this)."""
@@ -71,27 +69,7 @@ class Runtime:
         self.locks.pop(key, None)
         self.last_status.pop(key, None)
         self.admin_cache.pop(key, None)
-        self.created.pop(key, None)
-
-    def with_created(self, key: Key, observed: Observed) -> Observed:
-        """Add children this operator created moments ago that the indexes do not show yet.
-
-        kopf's indexes follow watch events, which lag behind our own writes; without this, a
-        reconcile right after another would create the same children again (harmless 409s).
-        """
-        recent = self.created.get(key, {})
-        now = time.monotonic()
-        pods, children = dict(observed.pods), dict(observed.children)
-        for (kind, name), (since, body) in list(recent.items()):
-            rank = podlib.rank_of(body)
-            seen = (kind, name) in children or (kind == "Pod" and rank in pods)
-            if seen or now - since > CREATED_MEMORY_SECONDS:
-                del recent[(kind, name)]
-            elif kind == "Pod" and rank is not None:
-                pods[rank] = body
-            else:
-                children[(kind, name)] = podlib.pod_hash(body)
-        return dataclasses.replace(observed, pods=pods, children=children)
+        self.recent.pop(key, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,24 +105,26 @@ async def _execute(
     runtime: Runtime,
     key: Key,
     actions: Iterable[Action],
+    pods: Mapping[int, Mapping[str, Any]],
     body: Mapping[str, Any],
     logger: kopf.Logger,
 ) -> None:
     client, namespace = runtime.client, key[0]
     assert client is not None
+    recent = runtime.recent.setdefault(key, RecentWrites())
     for action in actions:
         if action.verb == "create":
             assert action.body is not None
             created = await client.create(action.body)
-            runtime.created.setdefault(key, {})[(action.kind, action.name)] = (
-                time.monotonic(),
-                created or action.body,
-            )
+            recent.note_created(action.kind, action.name, created or action.body)
         elif action.verb == "patch":
             assert action.body is not None
             await client.patch(action.kind, namespace, action.name, action.body)
         else:
             await client.delete(action.kind, namespace, action.name)
+            if action.kind == "Pod":
+                uids = {p["metadata"]["name"]: p["metadata"].get("uid") for p in pods.values()}
+                recent.note_deleted(action.name, str(uids.get(action.name)))
         logger.info("%s %s %s: %s", action.verb, action.kind, action.name, action.message)
         if action.reason in RANK_EVENTS:
             _post(body, "Normal", action.reason, action.message)
@@ -235,12 +215,13 @@ async def _reconcile_locked(
         for r in previous.get("ranks") or []
         if r.get("replacements")
     }
-    observed = runtime.with_created(key, indexes.observe(key, replacements))
+    observed = indexes.observe(key, replacements)
+    observed = runtime.recent.setdefault(key, RecentWrites()).overlay(observed)
     secret_missing = ("Secret", curve_secret_name(owner.name)) not in observed.children
     result = plan(
         owner, spec, observed, now, runtime.policy, generate_keys() if secret_missing else None
     )
-    await _execute(runtime, key, result.actions, body, logger)
+    await _execute(runtime, key, result.actions, observed.pods, body, logger)
     coordinator_ready = indexes.coordinator_available(key)
     ctx = Context(
         generation=generation,

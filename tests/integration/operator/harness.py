@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import pathlib
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
@@ -39,10 +40,19 @@ CHILDREN = {  # resource path -> child names, for an engine called "llama"
 
 def engine_manifest(name: str = "llama", ranks: int = 2, **spec: Any) -> dict[str, Any]:
     """An InferenceEngine manifest with a small valid spec."""
-    body = {"image": "corefleet:test", "model": {"path": "/models/smollm2"},
-            "dataParallelSize": ranks, "resources": {"limits": {"nvidia.com/gpu": 1}}, **spec}
-    return {"apiVersion": "corefleet.dev/v1alpha1", "kind": "InferenceEngine",
-            "metadata": {"name": name, "namespace": "default"}, "spec": body}
+    body = {
+        "image": "corefleet:test",
+        "model": {"path": "/models/smollm2"},
+        "dataParallelSize": ranks,
+        "resources": {"limits": {"nvidia.com/gpu": 1}},
+        **spec,
+    }
+    return {
+        "apiVersion": "corefleet.dev/v1alpha1",
+        "kind": "InferenceEngine",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": body,
+    }
 
 
 async def eventually(check: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
@@ -59,8 +69,10 @@ async def eventually(check: Callable[[], Any], timeout: float = 10.0, what: str 
 
 def run(coro: Awaitable[Any], timeout: float = 60.0) -> Any:
     """Run a scenario in a fresh event loop with an overall timeout."""
+
     async def bounded() -> Any:
         return await asyncio.wait_for(coro, timeout)
+
     return asyncio.run(bounded())
 
 
@@ -70,8 +82,9 @@ class Cluster:
     def __init__(self, emu: KubeEmu) -> None:
         self.emu = emu
 
-    async def request(self, method: str, url: str, body: Any = None,
-                      headers: Mapping[str, str] | None = None) -> Any:
+    async def request(
+        self, method: str, url: str, body: Any = None, headers: Mapping[str, str] | None = None
+    ) -> Any:
         """One API call; returns the decoded answer, failing on an unexpected status."""
         async with self.emu.request(method, url, json=body, headers=dict(headers or {})) as resp:
             data = await resp.json(content_type=None)
@@ -94,9 +107,11 @@ class Cluster:
 
     def pods(self, name: str = "llama") -> dict[int, dict[str, Any]]:
         """rank -> pod of an engine."""
-        return {int(p["metadata"]["labels"]["corefleet.dev/rank"]): p
-                for p in self.emu.objs("v1/pods", "default")
-                if p["metadata"]["labels"].get("corefleet.dev/engine") == name}
+        return {
+            int(p["metadata"]["labels"]["corefleet.dev/rank"]): p
+            for p in self.emu.objs("v1/pods", "default")
+            if p["metadata"]["labels"].get("corefleet.dev/engine") == name
+        }
 
     async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
         """Create an InferenceEngine."""
@@ -109,12 +124,14 @@ class Cluster:
     async def scale(self, replicas: int, name: str = "llama") -> dict[str, Any]:
         """PATCH the scale subresource (like `kubectl scale --replicas`)."""
         return await self.request(  # type: ignore[no-any-return]
-            "PATCH", f"{IE_URL}/{name}/scale", {"spec": {"replicas": replicas}}, MERGE)
+            "PATCH", f"{IE_URL}/{name}/scale", {"spec": {"replicas": replicas}}, MERGE
+        )
 
     async def set_pod(self, pod: str, status: Mapping[str, Any]) -> None:
         """Play the kubelet: merge-patch a pod's status."""
-        await self.request("PATCH", f"/api/v1/namespaces/default/pods/{pod}/status",
-                           {"status": status}, MERGE)
+        await self.request(
+            "PATCH", f"/api/v1/namespaces/default/pods/{pod}/status", {"status": status}, MERGE
+        )
 
     async def pod_ready(self, pod: str, ready: bool = True) -> None:
         """Mark a pod Running and (not) Ready."""
@@ -122,9 +139,12 @@ class Cluster:
 
     async def coordinator_available(self, name: str = "llama") -> None:
         """Play the Deployment controller: one available coordinator pod."""
-        await self.request("PATCH", f"/apis/apps/v1/namespaces/default/deployments/"
-                                    f"{name}-coordinator/status",
-                           {"status": {"replicas": 1, "availableReplicas": 1}}, MERGE)
+        await self.request(
+            "PATCH",
+            f"/apis/apps/v1/namespaces/default/deployments/{name}-coordinator/status",
+            {"status": {"replicas": 1, "availableReplicas": 1}},
+            MERGE,
+        )
 
     async def all_ready(self, name: str = "llama") -> None:
         """Make the coordinator available and every rank pod Ready."""
@@ -136,11 +156,21 @@ class Cluster:
 def running_status(ready: bool) -> dict[str, Any]:
     """A pod status as the kubelet reports a running container (ready or loading)."""
     flag = "True" if ready else "False"
-    return {"phase": "Running",
-            "conditions": [{"type": "PodScheduled", "status": "True"},
-                           {"type": "Ready", "status": flag}],
-            "containerStatuses": [{"name": "engine", "ready": ready, "restartCount": 0,
-                                   "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]}
+    return {
+        "phase": "Running",
+        "conditions": [
+            {"type": "PodScheduled", "status": "True"},
+            {"type": "Ready", "status": flag},
+        ],
+        "containerStatuses": [
+            {
+                "name": "engine",
+                "ready": ready,
+                "restartCount": 0,
+                "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}},
+            }
+        ],
+    }
 
 
 @contextlib.asynccontextmanager
@@ -149,12 +179,23 @@ async def cluster(kubeconfig: pathlib.Path, **emu_options: Any) -> AsyncIterator
     emu = KubeEmu(**emu_options)
     emu.register_crd(CRD)
     async with serve(emu) as url:
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "emu",
-            "clusters": [{"name": "emu", "cluster": {"server": url}}],
-            "users": [{"name": "emu", "user": {"token": "test"}}],
-            "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu",
-                                                      "namespace": "default"}}]}))
+        kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "emu",
+                    "clusters": [{"name": "emu", "cluster": {"server": url}}],
+                    "users": [{"name": "emu", "user": {"token": "test"}}],
+                    "contexts": [
+                        {
+                            "name": "emu",
+                            "context": {"cluster": "emu", "user": "emu", "namespace": "default"},
+                        }
+                    ],
+                }
+            )
+        )
         os.environ["KUBECONFIG"] = str(kubeconfig)
         harness = Cluster(emu)
         await harness.request("POST", "/api/v1/namespaces", {"metadata": {"name": "default"}})
@@ -176,3 +217,28 @@ async def running_operator(**options: Any) -> AsyncIterator[asyncio.Task[None]]:
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)
+
+
+def _json_path(obj: Any, path: str) -> Any:
+    # The two forms our printer columns use: `.a.b` and `.a[?(@.k=="v")].b`.
+    for part in re.findall(r"\.([\w-]+)(\[\?\(@\.(\w+)==\"([^\"]*)\"\)\])?", path):
+        name, _, key, value = part
+        obj = obj.get(name) if isinstance(obj, Mapping) else None
+        if key:
+            obj = next((item for item in obj or [] if item.get(key) == value), None)
+    return obj
+
+
+def printer_columns(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """What `kubectl get ie` shows for an object, from the CRD's additionalPrinterColumns."""
+    columns = CRD["spec"]["versions"][0]["additionalPrinterColumns"]
+    return {c["name"].upper(): _json_path(obj, c["jsonPath"]) for c in columns}
+
+
+def events(cluster: Cluster, reason: str) -> list[dict[str, Any]]:
+    """Kubernetes Events with a reason, posted about InferenceEngines."""
+    return [
+        e
+        for e in cluster.emu.objs("v1/events", "default")
+        if e.get("reason") == reason and e["involvedObject"]["kind"] == "InferenceEngine"
+    ]

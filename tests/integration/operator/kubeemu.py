@@ -33,8 +33,15 @@ import attrs
 import jsonpatch
 import kmock
 from kmock._internal import parsing
-from kubemodel import apply_defaults, fields_match, get_path, labels_match, merge_patch, \
-    now_rfc3339, set_path
+from kubemodel import (
+    apply_defaults,
+    fields_match,
+    get_path,
+    labels_match,
+    merge_patch,
+    now_rfc3339,
+    set_path,
+)
 
 Key = tuple[str, str, str]  # (resource path "group/version/plural", namespace or "", name)
 VERBS = {"create", "delete", "get", "list", "patch", "update", "watch"}
@@ -49,8 +56,13 @@ BUILTINS = [  # (group/version, plural, kind, namespaced, subresources)
     ("apps/v1", "deployments", "Deployment", True, {"status", "scale"}),
     ("policy/v1", "poddisruptionbudgets", "PodDisruptionBudget", True, {"status"}),
     ("networking.k8s.io/v1", "networkpolicies", "NetworkPolicy", True, set()),
-    ("apiextensions.k8s.io/v1", "customresourcedefinitions", "CustomResourceDefinition", False,
-     set()),
+    (
+        "apiextensions.k8s.io/v1",
+        "customresourcedefinitions",
+        "CustomResourceDefinition",
+        False,
+        set(),
+    ),
 ]
 
 
@@ -75,9 +87,17 @@ def _gv(request: kmock.Request) -> str:
 
 
 def _error(code: int, reason: str, message: str) -> aiohttp.web.Response:
-    return aiohttp.web.json_response({"apiVersion": "v1", "kind": "Status", "status": "Failure",
-                                      "code": code, "reason": reason, "message": message},
-                                     status=code)
+    return aiohttp.web.json_response(
+        {
+            "apiVersion": "v1",
+            "kind": "Status",
+            "status": "Failure",
+            "code": code,
+            "reason": reason,
+            "message": message,
+        },
+        status=code,
+    )
 
 
 @attrs.define(kw_only=True)
@@ -100,12 +120,12 @@ class KubeEmu(kmock.KubernetesScaffold):
 
     objects: dict[Key, dict[str, Any]] = attrs.field(factory=dict, init=False)
     deleted: list[dict[str, Any]] = attrs.field(factory=list, init=False)  # last states, in order
+    delete_requests: list[Key] = attrs.field(factory=list, init=False)  # first DELETE of each
     types: dict[str, ResourceType] = attrs.field(factory=dict, init=False)
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _last_rv: int = attrs.field(default=0, init=False)
     _history: list[tuple[int, str, dict[str, Any]]] = attrs.field(factory=list, init=False)
-    _watchers: dict[str, set[asyncio.Queue[dict[str, Any]]]] = attrs.field(factory=dict,
-                                                                           init=False)
+    _watchers: dict[str, set[asyncio.Queue[dict[str, Any]]]] = attrs.field(factory=dict, init=False)
     _builtin_payloads: int = attrs.field(default=0, init=False)
     _tasks: set[asyncio.Task[None]] = attrs.field(factory=set, init=False)
 
@@ -116,27 +136,44 @@ class KubeEmu(kmock.KubernetesScaffold):
         self._builtin_payloads = len(self._payloads)
 
     # --- declarations
-    def declare(self, gv: str, plural: str, kind: str, namespaced: bool = True,
-                subresources: set[str] | None = None, **extra: Any) -> None:
+    def declare(
+        self,
+        gv: str,
+        plural: str,
+        kind: str,
+        namespaced: bool = True,
+        subresources: set[str] | None = None,
+        **extra: Any,
+    ) -> None:
         """Make a resource discoverable and storable."""
         subs = set(subresources or ())
         self.resources[f"{gv}/{plural}"] = kmock.ResourceInfo(
-            kind=kind, singular=kind.lower(), namespaced=namespaced, verbs=VERBS,
-            subresources=subs, shortnames=set(extra.pop("shortnames", ())))
-        self.types[f"{gv}/{plural}"] = ResourceType(kind=kind, namespaced=namespaced,
-                                                    subresources=subs, **extra)
+            kind=kind,
+            singular=kind.lower(),
+            namespaced=namespaced,
+            verbs=VERBS,
+            subresources=subs,
+            shortnames=set(extra.pop("shortnames", ())),
+        )
+        self.types[f"{gv}/{plural}"] = ResourceType(
+            kind=kind, namespaced=namespaced, subresources=subs, **extra
+        )
 
     def register_crd(self, crd: Mapping[str, Any]) -> None:
         """Serve the resources of a CustomResourceDefinition manifest, with its defaults."""
         spec, names = crd["spec"], crd["spec"]["names"]
         for version in spec["versions"]:
             subs = version.get("subresources") or {}
-            self.declare(f"{spec['group']}/{version['name']}", names["plural"], names["kind"],
-                         spec.get("scope", "Namespaced") == "Namespaced", set(subs),
-                         shortnames=names.get("shortNames", ()),
-                         schema=(version.get("schema") or {}).get("openAPIV3Schema"),
-                         replicas_path=(subs.get("scale") or {}).get("specReplicasPath",
-                                                                     ".spec.replicas"))
+            self.declare(
+                f"{spec['group']}/{version['name']}",
+                names["plural"],
+                names["kind"],
+                spec.get("scope", "Namespaced") == "Namespaced",
+                set(subs),
+                shortnames=names.get("shortNames", ()),
+                schema=(version.get("schema") or {}).get("openAPIV3Schema"),
+                replicas_path=(subs.get("scale") or {}).get("specReplicasPath", ".spec.replicas"),
+            )
 
     # --- direct access for assertions
     def obj(self, path: str, namespace: str, name: str) -> dict[str, Any] | None:
@@ -145,8 +182,11 @@ class KubeEmu(kmock.KubernetesScaffold):
 
     def objs(self, path: str, namespace: str | None = None) -> list[dict[str, Any]]:
         """Stored objects of a resource, optionally in one namespace."""
-        return [o for (p, ns, _), o in self.objects.items()
-                if p == path and (namespace is None or ns == namespace)]
+        return [
+            o
+            for (p, ns, _), o in self.objects.items()
+            if p == path and (namespace is None or ns == namespace)
+        ]
 
     # --- dispatch
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
@@ -185,23 +225,37 @@ class KubeEmu(kmock.KubernetesScaffold):
         if subresource != "scale":
             return obj
         meta = obj["metadata"]
-        return {"apiVersion": "autoscaling/v1", "kind": "Scale",
-                "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion")},
-                "spec": {"replicas": get_path(obj, self.types[key[0]].replicas_path)},
-                "status": {"replicas": get_path(obj, ".status.replicas") or 0,
-                           "selector": get_path(obj, ".status.selector") or ""}}
+        return {
+            "apiVersion": "autoscaling/v1",
+            "kind": "Scale",
+            "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion")},
+            "spec": {"replicas": get_path(obj, self.types[key[0]].replicas_path)},
+            "status": {
+                "replicas": get_path(obj, ".status.replicas") or 0,
+                "selector": get_path(obj, ".status.selector") or "",
+            },
+        }
 
     def _list(self, request: kmock.Request, path: str) -> dict[str, Any]:
-        items = [o for (p, ns, _), o in self.objects.items() if p == path and self._matches(
-            request, ns, o)]
-        return {"apiVersion": _gv(request), "kind": f"{self.types[path].kind}List",
-                "metadata": {"resourceVersion": str(self._last_rv)}, "items": items}
+        items = [
+            o
+            for (p, ns, _), o in self.objects.items()
+            if p == path and self._matches(request, ns, o)
+        ]
+        return {
+            "apiVersion": _gv(request),
+            "kind": f"{self.types[path].kind}List",
+            "metadata": {"resourceVersion": str(self._last_rv)},
+            "items": items,
+        }
 
     def _matches(self, request: kmock.Request, ns: str, obj: Mapping[str, Any]) -> bool:
         labels = (obj.get("metadata") or {}).get("labels") or {}
-        return ((not request.namespace or ns == request.namespace)
-                and labels_match(labels, request.params.get("labelSelector"))
-                and fields_match(obj, request.params.get("fieldSelector")))
+        return (
+            (not request.namespace or ns == request.namespace)
+            and labels_match(labels, request.params.get("labelSelector"))
+            and fields_match(obj, request.params.get("fieldSelector"))
+        )
 
     async def _watch(self, request: kmock.Request, path: str) -> aiohttp.web.StreamResponse:
         assert request._raw_request is not None
@@ -209,7 +263,7 @@ class KubeEmu(kmock.KubernetesScaffold):
         timeout = float(request.params.get("timeoutSeconds") or 3600)
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         if since in ("", "0"):
-            for (p, ns, _), obj in list(self.objects.items()):
+            for (p, _ns, _), obj in list(self.objects.items()):
                 if p == path:
                     queue.put_nowait({"type": "ADDED", "object": obj})
         else:
@@ -238,7 +292,7 @@ class KubeEmu(kmock.KubernetesScaffold):
     def _emit(self, path: str, kind: str, obj: dict[str, Any]) -> None:
         event = {"type": kind, "object": json.loads(json.dumps(obj))}
         self._history.append((int(obj["metadata"]["resourceVersion"]), path, event))
-        del self._history[:-self.history_size]
+        del self._history[: -self.history_size]
         for queue in self._watchers.get(path, ()):
             queue.put_nowait(event)
 
@@ -259,8 +313,12 @@ class KubeEmu(kmock.KubernetesScaffold):
         rtype = self.types[path]
         if rtype.namespaced:
             meta["namespace"] = ns
-        meta.update(uid=str(uuid.uuid4()), creationTimestamp=now_rfc3339(), generation=1,
-                    resourceVersion=self._next_rv())
+        meta.update(
+            uid=str(uuid.uuid4()),
+            creationTimestamp=now_rfc3339(),
+            generation=1,
+            resourceVersion=self._next_rv(),
+        )
         if "status" in rtype.subresources and path != "v1/namespaces":
             body.pop("status", None)
         if rtype.schema is not None:
@@ -289,8 +347,12 @@ class KubeEmu(kmock.KubernetesScaffold):
         except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
             return _error(422, "Invalid", f"the server rejected our request: {exc}")
         if want_rv and want_rv != current["metadata"]["resourceVersion"]:
-            return _error(409, "Conflict", "the object has been modified; please apply your "
-                                           "changes to the latest version and try again")
+            return _error(
+                409,
+                "Conflict",
+                "the object has been modified; please apply your "
+                "changes to the latest version and try again",
+            )
         if sub == "scale":
             replicas = get_path(patch, ".spec.replicas")
             new = json.loads(json.dumps(current))
@@ -319,6 +381,7 @@ class KubeEmu(kmock.KubernetesScaffold):
         obj, meta = self.objects[key], self.objects[key]["metadata"]
         if meta.get("deletionTimestamp"):
             return obj
+        self.delete_requests.append(key)
         linger = key[0] == "v1/pods" and self.pod_termination_seconds is not None
         if meta.get("finalizers") or linger:
             meta.update(deletionTimestamp=now_rfc3339(), resourceVersion=self._next_rv())
