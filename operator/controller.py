@@ -22,14 +22,14 @@ from corefleet.operator import admin
 from corefleet.operator import pods as podlib
 from corefleet.operator.curve import generate_keys
 from corefleet.operator.kube import KubeClient
-from corefleet.operator.recent import RecentWrites
-from corefleet.operator.reconcile import Action, Observed, Policy, plan
-from corefleet.operator.resources import (
+from corefleet.operator.naming import (
     COORDINATOR_HTTP_PORT,
     Owner,
     coordinator_name,
     curve_secret_name,
 )
+from corefleet.operator.recent import RecentWrites
+from corefleet.operator.reconcile import Action, Observed, Policy, plan
 from corefleet.operator.spec import InvalidSpec, parse_spec
 from corefleet.operator.status import Context, compute_status, invalid_spec_status, rank_events
 

@@ -16,8 +16,8 @@ import kopf
 from corefleet.operator import settings
 from corefleet.operator.controller import Indexes, Runtime, reconcile_engine
 from corefleet.operator.kube import KINDS
+from corefleet.operator.naming import COMPONENT_LABEL, ENGINE_LABEL
 from corefleet.operator.pods import pod_hash
-from corefleet.operator.resources import COMPONENT_LABEL, ENGINE_LABEL
 from corefleet.operator.spec import GROUP, PLURAL, VERSION
 
 # kopf needs the interval when the decorator runs; this is the one env read at import.

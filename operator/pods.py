@@ -12,7 +12,7 @@ import datetime
 from collections.abc import Mapping
 from typing import Any
 
-from corefleet.operator.resources import HASH_ANNOTATION, RANK_LABEL
+from corefleet.operator.naming import HASH_ANNOTATION, RANK_LABEL
 
 CRASH_LOOP_WINDOW_SECONDS = 300  # restarts this recent count as crash-looping even when Ready
 CRASH_LOOP_RESTARTS = 2

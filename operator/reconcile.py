@@ -32,18 +32,16 @@ from typing import Any
 
 from corefleet.operator import pods as podlib
 from corefleet.operator.curve import CurveKeys
-from corefleet.operator.resources import (
+from corefleet.operator.naming import (
     DO_NOT_DISRUPT,
     HASH_ANNOTATION,
     Owner,
-    build_children,
-    build_engine_pod,
     curve_secret_name,
     disruption_guard,
     engine_pod_name,
-    engine_pod_template,
     spec_hash,
 )
+from corefleet.operator.resources import build_children, build_engine_pod, engine_pod_template
 from corefleet.operator.spec import EngineSpec
 
 

@@ -20,164 +20,32 @@ reconcile can tell an outdated child from a current one without comparing server
 from __future__ import annotations
 
 import base64
-import dataclasses
-import hashlib
 import json
 import shlex
 from typing import Any
 
 from corefleet.operator.curve import CurveKeys
-from corefleet.operator.spec import API_VERSION, KIND, ROUTING_FLAGS, EngineSpec
-
-HASH_ANNOTATION = "corefleet.dev/spec-hash"
-ENGINE_LABEL = "corefleet.dev/engine"
-RANK_LABEL = "corefleet.dev/rank"
-COMPONENT_LABEL = "app.kubernetes.io/component"
-SAFE_TO_EVICT = "cluster-autoscaler.kubernetes.io/safe-to-evict"
-DO_NOT_DISRUPT = "karpenter.sh/do-not-disrupt"
-
-ENGINE_HEALTH_PORT = 8001
-COORDINATOR_HTTP_PORT = 8000
-HANDSHAKE_PORT = 5570
-INPUT_PORT = 5571
-OUTPUT_PORT = 5572
-GRACE_MARGIN_SECONDS = 15  # exit, flush logs and close sockets after the drain timeout
-TEMPLATE_VERSION = "1"  # bump when a builder changes what running pods should look like
-
-
-@dataclasses.dataclass(frozen=True)
-class Owner:
-    """The InferenceEngine that owns the children (from its metadata)."""
-
-    name: str
-    namespace: str
-    uid: str
-
-
-def engine_pod_name(name: str, rank: int) -> str:
-    """`<name>-engine-<rank>`: rank pods have fixed names, one per rank."""
-    return f"{name}-engine-{rank}"
-
-
-def coordinator_name(name: str) -> str:
-    """Name of the coordinator Deployment, Service and NetworkPolicy."""
-    return f"{name}-coordinator"
-
-
-def engine_group_name(name: str) -> str:
-    """Name of the headless Service and the PodDisruptionBudget of the ranks."""
-    return f"{name}-engine"
-
-
-def args_configmap_name(name: str) -> str:
-    """Name of the ConfigMap holding the engine flags."""
-    return f"{name}-engine-args"
-
-
-def curve_secret_name(name: str) -> str:
-    """Name of the Secret with the CURVE keys."""
-    return f"{name}-curve"
-
-
-def common_labels(name: str, component: str) -> dict[str, str]:
-    """Labels on every child: the engine it belongs to and its component."""
-    return {
-        "app.kubernetes.io/name": "corefleet",
-        "app.kubernetes.io/instance": name,
-        "app.kubernetes.io/managed-by": "corefleet-operator",
-        COMPONENT_LABEL: component,
-        ENGINE_LABEL: name,
-    }
-
-
-def selector_labels(name: str, component: str) -> dict[str, str]:
-    """The minimal labels that select one component's pods."""
-    return {ENGINE_LABEL: name, COMPONENT_LABEL: component}
-
-
-def rank_selector(name: str) -> str:
-    """`status.selector` of the scale subresource: the rank pods, as a label-selector string."""
-    return ",".join(f"{k}={v}" for k, v in selector_labels(name, "engine").items())
-
-
-def endpoint(owner: Owner, spec: EngineSpec) -> str:
-    """The in-cluster URL of the OpenAI API."""
-    host = f"{coordinator_name(owner.name)}.{owner.namespace}.svc"
-    return f"http://{host}:{spec.coordinator.service_port}"
-
-
-def spec_hash(content: Any) -> str:
-    """A short, stable hash of JSON-able content."""
-    text = json.dumps([TEMPLATE_VERSION, content], sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-def disruption_guard(guarded: bool) -> dict[str, str | None]:
-    """Annotations that keep cluster autoscalers off a loading or draining rank (None removes)."""
-    return {
-        SAFE_TO_EVICT: "false" if guarded else None,
-        DO_NOT_DISRUPT: "true" if guarded else None,
-    }
-
-
-def engine_args(spec: EngineSpec) -> list[str]:
-    """The engine-core flags every rank runs with (vLLM names; the rank comes separately).
-
-    `--data-parallel-size` is left out on purpose: membership is dynamic, and a flag that changes
-    with every `kubectl scale` would change every rank's spec hash and roll all ranks.
-    """
-    m, e, s = spec.model, spec.engine, spec.shutdown
-    args = [
-        "--model",
-        m.path,
-        "--dtype",
-        m.dtype,
-        "--tensor-parallel-size",
-        str(spec.tensor_parallel_size),
-    ]
-    if m.served_model_name:
-        args += ["--served-model-name", m.served_model_name]
-    if m.max_model_len is not None:
-        args += ["--max-model-len", str(m.max_model_len)]
-    args += ["--max-num-seqs", str(e.max_num_seqs)]
-    if e.max_num_batched_tokens is not None:
-        args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
-    args += [
-        "--block-size",
-        str(e.block_size),
-        "--gpu-memory-utilization",
-        str(e.gpu_memory_utilization),
-        "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
-        "--enable-chunked-prefill" if e.enable_chunked_prefill else "--no-enable-chunked-prefill",
-        "--shutdown-mode",
-        s.mode.lower(),
-    ]
-    if s.mode == "Drain":
-        args += ["--shutdown-timeout", str(s.effective_timeout_seconds)]
-    return args
-
-
-def coordinator_args(name: str, spec: EngineSpec) -> list[str]:
-    """Flags of `corefleet coordinator` (the API key comes from the environment)."""
-    args = [
-        "coordinator",
-        "--port",
-        str(COORDINATOR_HTTP_PORT),
-        "--routing",
-        ROUTING_FLAGS[spec.coordinator.routing],
-        "--model",
-        spec.model.path,
-    ]
-    if spec.model.served_model_name:
-        args += ["--served-model-name", spec.model.served_model_name]
-    if spec.coordinator.api_key_secret_ref is not None:
-        args += ["--api-key", "$(COREFLEET_API_KEY)"]  # expanded by the kubelet from env
-    return args
-
-
-def termination_grace_seconds(spec: EngineSpec) -> int:
-    """Drain timeout plus a margin: SIGKILL must never cut a drain short."""
-    return spec.shutdown.effective_timeout_seconds + GRACE_MARGIN_SECONDS
+from corefleet.operator.flags import coordinator_args, engine_args, termination_grace_seconds
+from corefleet.operator.naming import (
+    COORDINATOR_HTTP_PORT,
+    ENGINE_HEALTH_PORT,
+    HANDSHAKE_PORT,
+    HASH_ANNOTATION,
+    INPUT_PORT,
+    OUTPUT_PORT,
+    RANK_LABEL,
+    Owner,
+    args_configmap_name,
+    common_labels,
+    coordinator_name,
+    curve_secret_name,
+    disruption_guard,
+    engine_group_name,
+    engine_pod_name,
+    selector_labels,
+    spec_hash,
+)
+from corefleet.operator.spec import API_VERSION, KIND, EngineSpec
 
 
 def _meta(owner: Owner, name: str, component: str, content: Any) -> dict[str, Any]:

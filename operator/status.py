@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from corefleet.operator import pods as podlib
+from corefleet.operator.naming import Owner, endpoint, engine_pod_name, rank_selector
 from corefleet.operator.reconcile import Observed, Plan
-from corefleet.operator.resources import Owner, endpoint, engine_pod_name, rank_selector
 from corefleet.operator.spec import EngineSpec
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")

@@ -1,0 +1,70 @@
+"""The command lines of the rank and coordinator containers (vLLM flag names).
+
+`corefleet engine-core --coordinator HOST:PORT --rank R ...` and `corefleet coordinator ...`,
+built from the spec; the rank and the coordinator address are added by `resources.py`.
+"""
+
+from __future__ import annotations
+
+from corefleet.operator.naming import COORDINATOR_HTTP_PORT, GRACE_MARGIN_SECONDS
+from corefleet.operator.spec import ROUTING_FLAGS, EngineSpec
+
+
+def engine_args(spec: EngineSpec) -> list[str]:
+    """The engine-core flags every rank runs with (vLLM names; the rank comes separately).
+
+    `--data-parallel-size` is left out on purpose: membership is dynamic, and a flag that changes
+    with every `kubectl scale` would change every rank's spec hash and roll all ranks.
+    """
+    m, e, s = spec.model, spec.engine, spec.shutdown
+    args = [
+        "--model",
+        m.path,
+        "--dtype",
+        m.dtype,
+        "--tensor-parallel-size",
+        str(spec.tensor_parallel_size),
+    ]
+    if m.served_model_name:
+        args += ["--served-model-name", m.served_model_name]
+    if m.max_model_len is not None:
+        args += ["--max-model-len", str(m.max_model_len)]
+    args += ["--max-num-seqs", str(e.max_num_seqs)]
+    if e.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
+    args += [
+        "--block-size",
+        str(e.block_size),
+        "--gpu-memory-utilization",
+        str(e.gpu_memory_utilization),
+        "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--enable-chunked-prefill" if e.enable_chunked_prefill else "--no-enable-chunked-prefill",
+        "--shutdown-mode",
+        s.mode.lower(),
+    ]
+    if s.mode == "Drain":
+        args += ["--shutdown-timeout", str(s.effective_timeout_seconds)]
+    return args
+
+
+def coordinator_args(name: str, spec: EngineSpec) -> list[str]:
+    """Flags of `corefleet coordinator` (the API key comes from the environment)."""
+    args = [
+        "coordinator",
+        "--port",
+        str(COORDINATOR_HTTP_PORT),
+        "--routing",
+        ROUTING_FLAGS[spec.coordinator.routing],
+        "--model",
+        spec.model.path,
+    ]
+    if spec.model.served_model_name:
+        args += ["--served-model-name", spec.model.served_model_name]
+    if spec.coordinator.api_key_secret_ref is not None:
+        args += ["--api-key", "$(COREFLEET_API_KEY)"]  # expanded by the kubelet from env
+    return args
+
+
+def termination_grace_seconds(spec: EngineSpec) -> int:
+    """Drain timeout plus a margin: SIGKILL must never cut a drain short."""
+    return spec.shutdown.effective_timeout_seconds + GRACE_MARGIN_SECONDS

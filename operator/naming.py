@@ -1,0 +1,105 @@
+"""Names, labels, annotations and ports shared by the builders, the reconcile and the status.
+
+A child's name is a pure function of the engine's name (`<name>-engine-<rank>`,
+`<name>-coordinator`, ...), so the operator finds its children without storing anything, and
+`spec_hash` lets it tell an outdated child from a current one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+from corefleet.operator.spec import EngineSpec
+
+HASH_ANNOTATION = "corefleet.dev/spec-hash"
+ENGINE_LABEL = "corefleet.dev/engine"
+RANK_LABEL = "corefleet.dev/rank"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+SAFE_TO_EVICT = "cluster-autoscaler.kubernetes.io/safe-to-evict"
+DO_NOT_DISRUPT = "karpenter.sh/do-not-disrupt"
+
+ENGINE_HEALTH_PORT = 8001
+COORDINATOR_HTTP_PORT = 8000
+HANDSHAKE_PORT = 5570
+INPUT_PORT = 5571
+OUTPUT_PORT = 5572
+GRACE_MARGIN_SECONDS = 15  # exit, flush logs and close sockets after the drain timeout
+TEMPLATE_VERSION = "1"  # bump when a builder changes what running pods should look like
+
+
+@dataclasses.dataclass(frozen=True)
+class Owner:
+    """The InferenceEngine that owns the children (from its metadata)."""
+
+    name: str
+    namespace: str
+    uid: str
+
+
+def engine_pod_name(name: str, rank: int) -> str:
+    """`<name>-engine-<rank>`: rank pods have fixed names, one per rank."""
+    return f"{name}-engine-{rank}"
+
+
+def coordinator_name(name: str) -> str:
+    """Name of the coordinator Deployment, Service and NetworkPolicy."""
+    return f"{name}-coordinator"
+
+
+def engine_group_name(name: str) -> str:
+    """Name of the headless Service and the PodDisruptionBudget of the ranks."""
+    return f"{name}-engine"
+
+
+def args_configmap_name(name: str) -> str:
+    """Name of the ConfigMap holding the engine flags."""
+    return f"{name}-engine-args"
+
+
+def curve_secret_name(name: str) -> str:
+    """Name of the Secret with the CURVE keys."""
+    return f"{name}-curve"
+
+
+def common_labels(name: str, component: str) -> dict[str, str]:
+    """Labels on every child: the engine it belongs to and its component."""
+    return {
+        "app.kubernetes.io/name": "corefleet",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/managed-by": "corefleet-operator",
+        COMPONENT_LABEL: component,
+        ENGINE_LABEL: name,
+    }
+
+
+def selector_labels(name: str, component: str) -> dict[str, str]:
+    """The minimal labels that select one component's pods."""
+    return {ENGINE_LABEL: name, COMPONENT_LABEL: component}
+
+
+def rank_selector(name: str) -> str:
+    """`status.selector` of the scale subresource: the rank pods, as a label-selector string."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(name, "engine").items())
+
+
+def endpoint(owner: Owner, spec: EngineSpec) -> str:
+    """The in-cluster URL of the OpenAI API."""
+    host = f"{coordinator_name(owner.name)}.{owner.namespace}.svc"
+    return f"http://{host}:{spec.coordinator.service_port}"
+
+
+def spec_hash(content: Any) -> str:
+    """A short, stable hash of JSON-able content."""
+    text = json.dumps([TEMPLATE_VERSION, content], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def disruption_guard(guarded: bool) -> dict[str, str | None]:
+    """Annotations that keep cluster autoscalers off a loading or draining rank (None removes)."""
+    return {
+        SAFE_TO_EVICT: "false" if guarded else None,
+        DO_NOT_DISRUPT: "true" if guarded else None,
+    }
