@@ -1,0 +1,235 @@
+"""The CRD: its schema and CEL rules refuse bad manifests and accept good ones."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from corefleet.operator.spec import InvalidSpec, parse_spec
+from crdcheck import CRD, SCHEMA, VERSION, defaulted, errors, rules
+
+BASE: dict[str, Any] = {
+    "apiVersion": "corefleet.dev/v1alpha1",
+    "kind": "InferenceEngine",
+    "metadata": {"name": "llama", "namespace": "default"},
+    "spec": {"image": "ghcr.io/corefleet/corefleet:0.1.0", "model": {"path": "/models/smollm2"}},
+}
+
+
+def manifest(**spec: Any) -> dict[str, Any]:
+    """BASE with top-level spec fields replaced (None deletes)."""
+    out = copy.deepcopy(BASE)
+    for key, value in spec.items():
+        if value is None:
+            out["spec"].pop(key, None)
+        else:
+            out["spec"][key] = value
+    return out
+
+
+PVC = {"persistentVolumeClaim": {"claimName": "weights"}}
+VALID = {
+    "minimal": manifest(),
+    "everything": manifest(
+        model={
+            "path": "/models/llama-3-8b",
+            "volume": PVC,
+            "servedModelName": "llama3",
+            "dtype": "bfloat16",
+            "maxModelLen": 8192,
+        },
+        imagePullPolicy="Always",
+        resources={"limits": {"nvidia.com/gpu": 1, "memory": "64Gi"}, "requests": {"cpu": "8"}},
+        nodeSelector={"nvidia.com/gpu.product": "H100"},
+        tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        affinity={"nodeAffinity": {}},
+        env=[
+            {"name": "HF_HOME", "value": "/tmp"},
+            {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+        ],
+        dataParallelSize=8,
+        tensorParallelSize=2,
+        progressDeadlineSeconds=1200,
+        engine={
+            "maxNumSeqs": 128,
+            "maxNumBatchedTokens": 16384,
+            "blockSize": 32,
+            "gpuMemoryUtilization": 0.85,
+            "enablePrefixCaching": False,
+            "enableChunkedPrefill": False,
+        },
+        shutdown={"mode": "Drain", "drainTimeoutSeconds": 120},
+        coordinator={
+            "routing": "PrefixAware",
+            "service": {"type": "LoadBalancer", "port": 80},
+            "resources": {"limits": {"cpu": "2"}},
+            "apiKeySecretRef": {"name": "api", "key": "token"},
+        },
+    ),
+    "abort without timeout": manifest(shutdown={"mode": "Abort"}),
+    "node port": manifest(coordinator={"service": {"type": "NodePort", "nodePort": 30080}}),
+    "scaled to zero": manifest(dataParallelSize=0),
+    "image volume, path at the mount": manifest(
+        model={
+            "path": "/weights",
+            "mountPath": "/weights",
+            "volume": {"image": {"reference": "registry/models/llama:1"}},
+        }
+    ),
+    "no chunked prefill, enough tokens": manifest(
+        model={"path": "/m", "maxModelLen": 4096},
+        engine={"enableChunkedPrefill": False, "maxNumBatchedTokens": 4096},
+    ),
+}
+INVALID = {  # name -> (manifest, a fragment of the refusal)
+    "no image": (manifest(image=None), "'image' is a required property"),
+    "no model path": (manifest(model={"dtype": "auto"}), "'path' is a required property"),
+    "relative model path": (manifest(model={"path": "models/x"}), "does not match"),
+    "negative ranks": (manifest(dataParallelSize=-1), "less than the minimum"),
+    "zero tensor parallel": (manifest(tensorParallelSize=0), "less than the minimum"),
+    "unknown dtype": (manifest(model={"path": "/m", "dtype": "int8"}), "is not one of"),
+    "odd block size": (manifest(engine={"blockSize": 12}), "is not one of"),
+    "zero memory share": (manifest(engine={"gpuMemoryUtilization": 0}), "less than or equal"),
+    "memory share above 1": (manifest(engine={"gpuMemoryUtilization": 1.5}), "greater than"),
+    "unknown shutdown mode": (manifest(shutdown={"mode": "Kill"}), "is not one of"),
+    "zero drain timeout": (manifest(shutdown={"drainTimeoutSeconds": 0}), "less than the minimum"),
+    "unknown routing": (manifest(coordinator={"routing": "Random"}), "is not one of"),
+    "port out of range": (manifest(coordinator={"service": {"port": 70000}}), "greater than"),
+    "bad pull policy": (manifest(imagePullPolicy="Sometimes"), "is not one of"),
+    "gpu count as a list": (
+        manifest(resources={"limits": {"nvidia.com/gpu": [1]}}),
+        "is not valid under any",
+    ),
+    "api key ref without name": (
+        manifest(coordinator={"apiKeySecretRef": {"key": "k"}}),
+        "'name' is a required property",
+    ),
+    "drain timeout with Abort": (
+        manifest(shutdown={"mode": "Abort", "drainTimeoutSeconds": 5}),
+        "only allowed with mode Drain",
+    ),
+    "batch below model length": (
+        manifest(
+            model={"path": "/m", "maxModelLen": 8192},
+            engine={"enableChunkedPrefill": False, "maxNumBatchedTokens": 4096},
+        ),
+        "must be >= model.maxModelLen",
+    ),
+    "batch below max seqs": (
+        manifest(engine={"maxNumSeqs": 256, "maxNumBatchedTokens": 128}),
+        "must be >= engine.maxNumSeqs",
+    ),
+    "two volume sources": (
+        manifest(model={"path": "/models/m", "volume": {**PVC, "hostPath": {"path": "/data"}}}),
+        "exactly one volume source",
+    ),
+    "empty volume": (
+        manifest(model={"path": "/models/m", "volume": {}}),
+        "exactly one volume source",
+    ),
+    "path outside the mount": (
+        manifest(model={"path": "/opt/m", "volume": PVC}),
+        "must lie under model.mountPath",
+    ),
+    "node port on ClusterIP": (
+        manifest(coordinator={"service": {"nodePort": 30080}}),
+        "only allowed with type NodePort",
+    ),
+    "reserved env name": (
+        manifest(env=[{"name": "POD_IP", "value": "1.2.3.4"}]),
+        "set by the operator",
+    ),
+    "value and valueFrom": (
+        manifest(env=[{"name": "X", "value": "1", "valueFrom": {"fieldRef": {}}}]),
+        "mutually exclusive",
+    ),
+}
+
+
+def test_there_are_enough_cases():
+    assert len(VALID) >= 5 and len(INVALID) >= 15
+
+
+@pytest.mark.parametrize("name", sorted(VALID))
+def test_valid_manifests_are_accepted(name):
+    assert errors(VALID[name]) == []
+    parse_spec(defaulted(VALID[name])["spec"])  # and the operator can act on them
+
+
+@pytest.mark.parametrize("name", sorted(INVALID))
+def test_invalid_manifests_are_refused(name):
+    body, fragment = INVALID[name]
+    found = errors(body)
+    assert any(fragment in e for e in found), found
+
+
+CEL_ONLY = [
+    "drain timeout with Abort",
+    "batch below model length",
+    "batch below max seqs",
+    "two volume sources",
+    "empty volume",
+    "path outside the mount",
+    "node port on ClusterIP",
+]
+
+
+@pytest.mark.parametrize("name", CEL_ONLY)
+def test_the_operator_refuses_what_cel_refuses(name):
+    # Defence in depth: a server without CEL (or an old object) still gets InvalidSpec.
+    with pytest.raises(InvalidSpec):
+        parse_spec(defaulted(INVALID[name][0])["spec"])
+
+
+def test_every_cel_rule_compiles_and_there_are_cross_field_rules():
+    assert len(list(rules())) >= 8
+
+
+def test_defaults_fill_the_spec_and_match_the_operators_defaults():
+    spec = defaulted(BASE)["spec"]
+    assert spec["dataParallelSize"] == 1 and spec["engine"]["maxNumSeqs"] == 256
+    assert spec["shutdown"] == {"mode": "Drain"}
+    assert spec["coordinator"]["service"] == {"type": "ClusterIP", "port": 8000}
+    # The operator repeats the defaults (it never writes spec); both must agree.
+    assert parse_spec(spec) == parse_spec(BASE["spec"])
+
+
+def test_scale_status_and_printer_columns():
+    assert CRD["spec"]["names"]["shortNames"] == ["ie"]
+    assert CRD["spec"]["scope"] == "Namespaced" and VERSION["name"] == "v1alpha1"
+    assert VERSION["subresources"] == {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.dataParallelSize",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    }
+    columns = {c["name"]: c["jsonPath"] for c in VERSION["additionalPrinterColumns"]}
+    assert list(columns) == ["Ranks", "Ready", "Endpoint", "Age"]
+    status = SCHEMA["properties"]["status"]["properties"]
+    for path in list(columns.values())[:3]:
+        assert path.split(".")[2].split("[")[0] in status
+    stages = status["ranks"]["items"]["properties"]["stage"]["enum"]
+    assert stages == [
+        "Pending",
+        "Scheduling",
+        "Loading",
+        "Handshaking",
+        "Ready",
+        "Draining",
+        "Failed",
+    ]
+
+
+def test_status_written_by_the_operator_fits_the_schema():
+    import datetime
+
+    from corefleet.operator.status import invalid_spec_status
+
+    status = invalid_spec_status(
+        {}, 3, "spec.image is required", datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+    )
+    body = {**defaulted(BASE), "status": status}
+    assert errors(body) == []
