@@ -168,7 +168,7 @@ def diagnose(pod: Pod, now: datetime.datetime, joined: str | None = None) -> Dia
         if joined == "draining":
             return Diagnosis("Draining", "draining: takes no new requests", "Draining")
         return Diagnosis("Ready", "serving", "Ready")
-    if status.get("phase") == "Running" and (container.get("state") or {}).get("running"):
+    if status.get("phase") == "Running" and "running" in (container.get("state") or {}):
         if joined in (None, "loading"):
             return Diagnosis("Loading", "loading the model and warming up", "Loading")
         if joined == "absent":

@@ -1,0 +1,230 @@
+"""Table tests of the pure reconcile: (spec, observed) -> actions."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import pytest
+from corefleet.operator.curve import CurveKeyPair, CurveKeys
+from corefleet.operator.naming import DO_NOT_DISRUPT, HASH_ANNOTATION, Owner, spec_hash
+from corefleet.operator.reconcile import Observed, Policy, plan
+from corefleet.operator.resources import build_children, engine_pod_template
+from corefleet.operator.spec import parse_spec
+
+NOW = datetime.datetime(2026, 6, 1, 12, 0, 0, tzinfo=datetime.timezone.utc)
+OWNER = Owner("llama", "default", "uid-1")
+KEYS = CurveKeys(CurveKeyPair("a" * 40, "b" * 40), CurveKeyPair("c" * 40, "d" * 40))
+
+
+def spec(ranks: int, **extra: Any):
+    return parse_spec(
+        {
+            "image": "i",
+            "model": {"path": "/m"},
+            "dataParallelSize": ranks,
+            "progressDeadlineSeconds": 300,
+            **extra,
+        }
+    )
+
+
+CURRENT = spec_hash(engine_pod_template("llama", spec(1)))
+OLD = "0ld0ld0ld0ld"
+
+
+def pod(
+    rank: int,
+    *,
+    hash: str = CURRENT,
+    ready: bool = True,
+    phase: str = "Running",
+    terminating: bool = False,
+    age: float = 3600,
+    guarded: bool | None = None,
+):
+    annotations = {HASH_ANNOTATION: hash}
+    if guarded if guarded is not None else not ready:
+        annotations[DO_NOT_DISRUPT] = "true"
+    created = NOW - datetime.timedelta(seconds=age)
+    meta = {
+        "name": f"llama-engine-{rank}",
+        "uid": f"pod-{rank}",
+        "annotations": annotations,
+        "labels": {"corefleet.dev/rank": str(rank)},
+        "creationTimestamp": created.strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    if terminating:
+        meta["deletionTimestamp"] = NOW.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "metadata": meta,
+        "status": {
+            "phase": phase,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def children(**stale: str) -> dict[tuple[str, str], str | None]:
+    found = {
+        (c["kind"], c["metadata"]["name"]): c["metadata"]["annotations"][HASH_ANNOTATION]
+        for c in build_children(OWNER, spec(1), KEYS)
+    }
+    found.update({tuple(k.split("/")): v for k, v in stale.items()})  # type: ignore[misc]
+    return found
+
+
+def summary(result) -> list[tuple[str, str, str]]:
+    return [(a.verb, a.kind, a.name.removeprefix("llama-")) for a in result.actions]
+
+
+def run(ranks: int, pods: list[dict[str, Any]], **kwargs: Any):
+    observed = Observed(
+        pods={int(p["metadata"]["labels"]["corefleet.dev/rank"]): p for p in pods},
+        children=kwargs.pop("found", children()),
+        replacements=kwargs.pop("replacements", {}),
+    )
+    return plan(OWNER, spec(ranks), observed, NOW, Policy(failed_backoff_seconds=10), **kwargs)
+
+
+def test_fresh_engine_creates_every_child_then_every_rank():
+    result = run(2, [], found={}, keys=KEYS)
+    assert summary(result) == [
+        ("create", "Secret", "curve"),
+        ("create", "ConfigMap", "engine-args"),
+        ("create", "Service", "coordinator"),
+        ("create", "Service", "engine"),
+        ("create", "PodDisruptionBudget", "engine"),
+        ("create", "NetworkPolicy", "coordinator"),
+        ("create", "Deployment", "coordinator"),
+        ("create", "Pod", "engine-0"),
+        ("create", "Pod", "engine-1"),
+    ]
+    assert result.actions[-1].body["metadata"]["annotations"][DO_NOT_DISRUPT] == "true"
+
+
+def test_converged_engine_needs_nothing():
+    result = run(3, [pod(0), pod(1), pod(2)])
+    assert summary(result) == [] and result.waiting_for is None
+    assert result.deadline_exceeded == ()
+
+
+CASES = {
+    "scale up creates the missing ranks": (
+        4,
+        [pod(0), pod(1)],
+        [("create", "Pod", "engine-2"), ("create", "Pod", "engine-3")],
+    ),
+    "scale down deletes the highest ranks, guarded first": (
+        1,
+        [pod(r) for r in range(4)],
+        [
+            ("patch", "Pod", "engine-3"),
+            ("delete", "Pod", "engine-3"),
+            ("patch", "Pod", "engine-2"),
+            ("delete", "Pod", "engine-2"),
+            ("patch", "Pod", "engine-1"),
+            ("delete", "Pod", "engine-1"),
+        ],
+    ),
+    "a rank already draining is left alone": (
+        1,
+        [pod(0), pod(1), pod(2, terminating=True)],
+        [("patch", "Pod", "engine-1"), ("delete", "Pod", "engine-1")],
+    ),
+    "scale to zero removes every rank": (
+        0,
+        [pod(0)],
+        [("patch", "Pod", "engine-0"), ("delete", "Pod", "engine-0")],
+    ),
+    "rollout starts with the highest outdated rank": (
+        3,
+        [pod(0, hash=OLD), pod(1, hash=OLD), pod(2, hash=OLD)],
+        [("delete", "Pod", "engine-2")],
+    ),
+    "rollout waits for the replaced rank to be Ready": (
+        3,
+        [pod(0, hash=OLD), pod(1, hash=OLD), pod(2, ready=False, age=60)],
+        [],
+    ),
+    "rollout waits for a replaced rank to come back": (
+        3,
+        [pod(0, hash=OLD), pod(1, hash=OLD)],
+        [("create", "Pod", "engine-2")],
+    ),
+    "rollout waits while the replaced pod still drains": (
+        3,
+        [pod(0, hash=OLD), pod(1, hash=OLD), pod(2, hash=OLD, terminating=True)],
+        [],
+    ),
+    "rollout continues once the new rank is Ready": (
+        3,
+        [pod(0, hash=OLD), pod(1, hash=OLD), pod(2)],
+        [("delete", "Pod", "engine-1")],
+    ),
+    "deadline escape: a never-Ready rank stops gating": (
+        3,
+        [pod(0, hash=OLD), pod(1, hash=OLD), pod(2, ready=False, age=301)],
+        [("delete", "Pod", "engine-1")],
+    ),
+    "outdated ranks that serve nothing are replaced at once": (
+        3,
+        [pod(0, hash=OLD, ready=False), pod(1, hash=OLD, ready=False), pod(2, hash=OLD)],
+        [("delete", "Pod", "engine-1"), ("delete", "Pod", "engine-0")],
+    ),
+    "a failed pod is replaced": (
+        2,
+        [pod(0), pod(1, phase="Failed", ready=False)],
+        [("delete", "Pod", "engine-1")],
+    ),
+    "a Ready rank is released for autoscalers": (
+        1,
+        [pod(0, guarded=True)],
+        [("patch", "Pod", "engine-0")],
+    ),
+    "a loading rank is guarded": (
+        2,
+        [pod(0), pod(1, ready=False, guarded=False, age=5)],
+        [("patch", "Pod", "engine-1")],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_reconcile_table(name):
+    ranks, pods, expected = CASES[name]
+    assert summary(run(ranks, pods)) == expected
+
+
+def test_rollout_reports_what_it_waits_for_and_overdue_ranks():
+    waiting = run(3, [pod(0, hash=OLD), pod(1, hash=OLD), pod(2, ready=False, age=60)])
+    assert waiting.waiting_for == 2 and waiting.deadline_exceeded == ()
+    late = run(3, [pod(0, hash=OLD), pod(1, hash=OLD), pod(2, ready=False, age=301)])
+    assert late.deadline_exceeded == (2,)
+
+
+def test_repeated_failures_back_off():
+    failed = pod(1, phase="Failed", ready=False, age=15)
+    first = run(2, [pod(0), failed])
+    assert summary(first) == [("delete", "Pod", "engine-1")] and first.replacements == {1: 1}
+    again = run(2, [pod(0), failed], replacements={1: 2})  # 2nd back-off: 20 s > 15 s of age
+    assert summary(again) == [] and again.replacements == {1: 2}
+    later = run(2, [pod(0), pod(1, phase="Failed", ready=False, age=25)], replacements={1: 2})
+    assert summary(later) == [("delete", "Pod", "engine-1")] and later.replacements == {1: 3}
+    recovered = run(2, [pod(0), pod(1)], replacements={1: 3})
+    assert recovered.replacements == {}
+
+
+def test_changed_children_are_patched_but_the_secret_never():
+    found = children(**{"ConfigMap/llama-engine-args": "stale", "Secret/llama-curve": "stale"})
+    result = run(1, [pod(0)], found=found, keys=KEYS)
+    assert summary(result) == [("patch", "ConfigMap", "engine-args")]
+    patch = result.actions[0].body
+    assert set(patch) == {"metadata", "data"}
+    assert patch["metadata"]["annotations"][HASH_ANNOTATION] != "stale"
+
+
+def test_pure_no_keys_no_secret():
+    found = {k: v for k, v in children().items() if k[0] != "Secret"}
+    assert summary(run(1, [pod(0)], found=found)) == []
+    assert summary(run(1, [pod(0)], found=found, keys=KEYS)) == [("create", "Secret", "curve")]

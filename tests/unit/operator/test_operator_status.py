@@ -1,0 +1,282 @@
+"""Rank stages from pod conditions, conditions from ranks, Events from stage changes."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+from corefleet.operator.pods import diagnose
+from corefleet.operator.reconcile import Observed, plan
+from corefleet.operator.status import Context, compute_status, rank_events
+from test_operator_reconcile import CURRENT, NOW, OLD, OWNER, children, pod, spec
+
+RECENT = (NOW - datetime.timedelta(seconds=30)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def with_status(status: dict, **meta) -> dict:
+    body = pod(0)
+    body["status"] = status
+    body["metadata"].update(meta)
+    body["spec"] = {"containers": [{"image": "ghcr.io/x/engine:1"}]}
+    return body
+
+
+def container(**fields) -> dict:
+    return {
+        "phase": "Running",
+        "conditions": [{"type": "Ready", "status": "False"}],
+        "containerStatuses": [{"name": "engine", "restartCount": 0, **fields}],
+    }
+
+
+DIAGNOSES = {
+    "ready": (pod(0), None, ("Ready", "Ready")),
+    "no status yet": (with_status({}), None, ("Pending", "Pending")),
+    "creating": (
+        with_status(container(state={"waiting": {"reason": "ContainerCreating"}})),
+        None,
+        ("Pending", "Pending"),
+    ),
+    "no gpu": (
+        with_status(
+            {
+                "phase": "Pending",
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
+                    }
+                ],
+            }
+        ),
+        None,
+        ("Scheduling", "InsufficientGPU"),
+    ),
+    "no claim": (
+        with_status(
+            {
+                "phase": "Pending",
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": 'persistentvolumeclaim "weights" not found',
+                    }
+                ],
+            }
+        ),
+        None,
+        ("Scheduling", "ModelVolumeNotFound"),
+    ),
+    "image pull": (
+        with_status(
+            container(
+                state={
+                    "waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image"}
+                }
+            )
+        ),
+        None,
+        ("Failed", "ImagePullBackOff"),
+    ),
+    "crash loop": (
+        with_status(
+            container(
+                restartCount=3,
+                state={"waiting": {"reason": "CrashLoopBackOff"}},
+                lastState={"terminated": {"reason": "Error", "exitCode": 1}},
+            )
+        ),
+        None,
+        ("Failed", "CrashLoopBackOff"),
+    ),
+    "oom loop": (
+        with_status(
+            container(
+                restartCount=3,
+                state={"waiting": {"reason": "CrashLoopBackOff"}},
+                lastState={"terminated": {"reason": "OOMKilled", "exitCode": 137}},
+            )
+        ),
+        None,
+        ("Failed", "OOMKilled"),
+    ),
+    "flapping but momentarily ready": (
+        with_status(
+            {
+                **container(
+                    restartCount=5,
+                    state={"running": {}},
+                    lastState={
+                        "terminated": {"reason": "Error", "exitCode": 1, "finishedAt": RECENT}
+                    },
+                ),
+                "conditions": [{"type": "Ready", "status": "True"}],
+            }
+        ),
+        None,
+        ("Failed", "CrashLoopBackOff"),
+    ),
+    "evicted": (
+        with_status({"phase": "Failed", "reason": "Evicted", "message": "low on memory"}),
+        None,
+        ("Failed", "Evicted"),
+    ),
+    "loading": (with_status(container(state={"running": {}})), None, ("Loading", "Loading")),
+    "not joined yet": (
+        with_status(container(state={"running": {}})),
+        "absent",
+        ("Handshaking", "Handshaking"),
+    ),
+    "terminating": (pod(0, terminating=True), None, ("Draining", "Draining")),
+    "ready but draining": (pod(0), "draining", ("Draining", "Draining")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DIAGNOSES))
+def test_diagnose(name):
+    body, joined, (stage, reason) = DIAGNOSES[name]
+    found = diagnose(body, NOW, joined)
+    assert (found.stage, found.reason) == (stage, reason), found.message
+
+
+def test_messages_name_the_cause():
+    assert "Insufficient nvidia.com/gpu" in diagnose(DIAGNOSES["no gpu"][0], NOW).message
+    assert "ghcr.io/x/engine:1" in diagnose(DIAGNOSES["image pull"][0], NOW).message
+    assert "OOMKilled (code 137)" in diagnose(DIAGNOSES["oom loop"][0], NOW).message
+
+
+def status_for(ranks: int, pods: list, previous: dict | None = None, **ctx):
+    observed = Observed(
+        pods={int(p["metadata"]["labels"]["corefleet.dev/rank"]): p for p in pods},
+        children=children(),
+    )
+    result = plan(OWNER, spec(ranks), observed, NOW)
+    context = Context(
+        generation=ctx.pop("generation", 1),
+        coordinator_ready=ctx.pop("coordinator_ready", True),
+        **ctx,
+    )
+    return compute_status(OWNER, spec(ranks), observed, result, context, previous or {}, NOW)
+
+
+def conditions(status: dict) -> dict:
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+def test_all_ranks_ready():
+    status = status_for(2, [pod(0), pod(1)])
+    assert conditions(status) == {
+        "Ready": ("True", "AllRanksReady"),
+        "Progressing": ("False", "Complete"),
+        "Degraded": ("False", "AllRanksHealthy"),
+    }
+    assert status["rankSummary"] == "2/2" and status["readyReplicas"] == 2
+    assert status["endpoint"] == "http://llama-coordinator.default.svc:8000"
+    assert [r["stage"] for r in status["ranks"]] == ["Ready", "Ready"]
+    assert all(c["observedGeneration"] == 1 for c in status["conditions"])
+
+
+STATUS_CASES = {
+    "coordinator down": (
+        2,
+        [pod(0), pod(1)],
+        {"coordinator_ready": False},
+        {"Ready": ("False", "CoordinatorUnavailable")},
+    ),
+    "scaling up": (
+        3,
+        [pod(0), pod(1)],
+        {},
+        {"Ready": ("False", "RanksNotReady"), "Progressing": ("True", "RanksStarting")},
+    ),
+    "scaling down": (
+        1,
+        [pod(0), pod(1, terminating=True)],
+        {},
+        {"Progressing": ("True", "ScalingDown")},
+    ),
+    "rolling": (
+        2,
+        [pod(0, hash=OLD), pod(1)],
+        {},
+        {"Ready": ("True", "AllRanksReady"), "Progressing": ("True", "RollingUpdate")},
+    ),
+    "crash loop": (
+        2,
+        [pod(0), DIAGNOSES["crash loop"][0]],
+        {},
+        {"Ready": ("False", "RankFailed"), "Degraded": ("True", "CrashLoopBackOff")},
+    ),
+    "deadline": (
+        2,
+        [pod(0, hash=OLD), pod(1, ready=False, age=400)],
+        {},
+        {
+            "Progressing": ("False", "ProgressDeadlineExceeded"),
+            "Degraded": ("True", "ProgressDeadlineExceeded"),
+        },
+    ),
+    "volume": (
+        1,
+        [pod(0, ready=False)],
+        {"volume_missing": True},
+        {"Degraded": ("True", "ModelVolumeNotFound")},
+    ),
+    "zero": (0, [], {}, {"Ready": ("False", "ScaledToZero"), "Progressing": ("False", "Complete")}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATUS_CASES))
+def test_conditions(name):
+    ranks, pods, ctx, expected = STATUS_CASES[name]
+    found = conditions(status_for(ranks, pods, **ctx))
+    assert {k: found[k] for k in expected} == expected
+
+
+def test_transition_time_is_kept_while_the_status_stays():
+    first = status_for(2, [pod(0), pod(1)])
+    earlier = {
+        **first,
+        "conditions": [
+            {**c, "lastTransitionTime": "2026-01-01T00:00:00Z"} for c in first["conditions"]
+        ],
+    }
+    same = status_for(2, [pod(0), pod(1)], previous=earlier)
+    assert {c["lastTransitionTime"] for c in same["conditions"]} == {"2026-01-01T00:00:00Z"}
+    changed = status_for(2, [pod(0), pod(1, ready=False, age=10)], previous=earlier)
+    times = {c["type"]: c["lastTransitionTime"] for c in changed["conditions"]}
+    assert times["Ready"] == "2026-06-01T12:00:00Z"
+    assert times["Degraded"] == "2026-01-01T00:00:00Z"
+
+
+def test_missing_rank_is_pending_and_updated_flags_follow_the_hash():
+    status = status_for(2, [pod(0, hash=OLD)])
+    assert status["ranks"][1] == {
+        "rank": 1,
+        "pod": "llama-engine-1",
+        "stage": "Pending",
+        "message": "pod not created yet",
+    }
+    assert status["ranks"][0]["updated"] is False and status["updatedReplicas"] == 0
+    assert CURRENT != OLD
+
+
+def test_rank_events_on_stage_changes_only():
+    before = [{"rank": 0, "stage": "Loading"}, {"rank": 1, "stage": "Ready"}]
+    after = [
+        {"rank": 0, "stage": "Ready"},
+        {"rank": 1, "stage": "Ready"},
+        {"rank": 2, "stage": "Failed", "message": "boom"},
+        {"rank": 3, "stage": "Draining"},
+    ]
+    found = [(e.type, e.reason) for e in rank_events(before, after)]
+    assert found == [
+        ("Normal", "RankJoined"),
+        ("Warning", "RankFailed"),
+        ("Normal", "RankDraining"),
+    ]
+    assert rank_events(after, after) == []
