@@ -239,7 +239,7 @@ def write_tiny_gguf(
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_dimension_count(config["head_dim"])
+    writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
     writer.add_vocab_size(config["vocab_size"])
 
     vocab: dict[str, int] = tok_json["model"]["vocab"]

@@ -15,6 +15,7 @@ scheme whatever the source. Two things differ from a Hugging Face checkpoint bey
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Iterator
@@ -56,15 +57,29 @@ _ROPE_FREQS = "rope_freqs.weight"
 def open_gguf(path: str | os.PathLike[str]) -> Any:
     """Open a GGUF file with ``gguf.GGUFReader`` (memory-mapped; nothing is dequantized yet).
 
+    Parsing the header takes seconds for a large vocabulary (every token is a metadata entry),
+    and loading a model reads the same file for its architecture, weights and tokenizer, so
+    the most recent reader is reused while the file's size and mtime are unchanged.
+
     Raises:
         ValueError: the file is not a readable GGUF file.
     """
+    name = os.path.abspath(os.fspath(path))
+    try:
+        stat = os.stat(name)
+    except OSError as exc:
+        raise ValueError(f"{name} is not a readable GGUF file: {exc}") from exc
+    return _open_reader(name, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _open_reader(name: str, size: int, mtime_ns: int) -> Any:
     from gguf import GGUFReader  # imported here: only GGUF users pay for it
 
     try:
-        return GGUFReader(os.fspath(path))
-    except (ValueError, OSError, IndexError) as exc:
-        raise ValueError(f"{os.fspath(path)} is not a readable GGUF file: {exc}") from exc
+        return GGUFReader(name)
+    except (ValueError, OSError, IndexError, KeyError) as exc:
+        raise ValueError(f"{name} is not a readable GGUF file: {exc}") from exc
 
 
 def gguf_value(reader: Any, key: str, default: Any = None) -> Any:
