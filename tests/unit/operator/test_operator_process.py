@@ -1,0 +1,85 @@
+"""The operator process: its CLI, its configuration, its imports (never torch)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from corefleet.operator.cli import LIVENESS, kopf_args
+from corefleet.operator.kube import KubeClient, _decode
+from corefleet.operator.settings import OperatorConfig
+
+
+def test_cli_defaults_serve_all_namespaces_with_peering_and_liveness():
+    args = kopf_args([])
+    assert args[:6] == [
+        "run",
+        "-m",
+        "corefleet.operator.main",
+        "--all-namespaces",
+        "--liveness",
+        LIVENESS,
+    ]
+    assert args[6:8] == ["--peering", "corefleet-operator"] and args[8] == "--priority"
+    assert 1 <= int(args[9]) <= 10_000
+
+
+def test_cli_namespaces_standalone_and_explicit_priority():
+    assert kopf_args(["-n", "a", "--namespace", "b", "--standalone", "--liveness", ""]) == [
+        "run",
+        "-m",
+        "corefleet.operator.main",
+        "--namespace",
+        "a",
+        "--namespace",
+        "b",
+        "--standalone",
+    ]
+    assert kopf_args(["--priority", "7", "--peering", "p", "-v"])[-5:] == [
+        "--peering",
+        "p",
+        "--priority",
+        "7",
+        "--verbose",
+    ]
+    with pytest.raises(SystemExit):
+        kopf_args(["-n", "a", "-A"])
+
+
+def test_config_reads_the_environment_once():
+    assert OperatorConfig.from_env({}) == OperatorConfig()
+    config = OperatorConfig.from_env(
+        {"COREFLEET_OPERATOR_TIMER_SECONDS": "2.5", "COREFLEET_OPERATOR_ADMIN_PROBE": "0"}
+    )
+    assert config.timer_seconds == 2.5 and config.admin_probe is False
+    assert config.policy.failed_backoff_seconds == 10.0
+    with pytest.raises(ValueError, match="COREFLEET_OPERATOR_TIMER_SECONDS"):
+        OperatorConfig.from_env({"COREFLEET_OPERATOR_TIMER_SECONDS": "0"})
+
+
+def test_api_client_urls_and_credentials():
+    import kopf
+
+    client = KubeClient(kopf.ConnectionInfo(server="http://127.0.0.1:1/", token="t0k"))
+    assert client.url("Pod", "ns") == "http://127.0.0.1:1/api/v1/namespaces/ns/pods"
+    assert client.url("InferenceEngine", "ns", "x", "status") == (
+        "http://127.0.0.1:1/apis/corefleet.dev/v1alpha1/namespaces/ns/inferenceengines/x/status"
+    )
+    assert client._headers["Authorization"] == "Bearer t0k"
+    assert _decode("LS0tLS1CRUdJTg==") == b"-----BEGIN"
+    assert _decode("-----BEGIN CERT") == b"-----BEGIN CERT"
+
+
+def test_importing_the_operator_never_imports_torch():
+    code = (
+        "import sys\n"
+        "import corefleet.operator.main, corefleet.operator.cli\n"
+        "import corefleet.operator.status, corefleet.operator.reconcile\n"
+        "heavy = sorted(m for m in ('torch', 'zmq', 'numpy') if m in sys.modules)\n"
+        "print(heavy)\n"
+        "assert 'torch' not in sys.modules, heavy\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
