@@ -33,7 +33,7 @@ import attrs
 import jsonpatch
 import kmock
 from kmock._internal import parsing
-from kubemodel import (
+from kubeemu_model import (
     apply_defaults,
     fields_match,
     get_path,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from harness import (
+from operator_harness import (
     IE_URL,
     cluster,
     engine_manifest,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 
-from harness import (
+from operator_harness import (
     CHILDREN,
     IE_URL,
     Cluster,

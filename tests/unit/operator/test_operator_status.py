@@ -8,7 +8,7 @@ import pytest
 from corefleet.operator.pods import diagnose
 from corefleet.operator.reconcile import Observed, plan
 from corefleet.operator.status import Context, compute_status, rank_events
-from test_operator_reconcile import CURRENT, NOW, OLD, OWNER, children, pod, spec
+from operator_fixtures import CURRENT, NOW, OLD, OWNER, children, pod, spec
 
 RECENT = (NOW - datetime.timedelta(seconds=30)).strftime("%Y-%m-%dT%H:%M:%SZ")
 
