@@ -106,6 +106,22 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
         req_id = request.request_id
         req_blocks = self.req_to_blocks.get(req_id)
+        if req_blocks is not None and not new_computed_blocks:
+            # Hot path, taken by every running request every step: keep it lean.
+            num_total = request.num_computed_tokens + num_new_tokens
+            block_size = self.block_size
+            num_slots = num_total if num_total < self.max_model_len else self.max_model_len
+            num_required = (num_slots + block_size - 1) // block_size - len(req_blocks)
+            new_blocks: list[KVCacheBlock] = []
+            if num_required > 0:
+                if num_required > self.block_pool.free_block_queue.num_free_blocks:
+                    return None
+                new_blocks = self.block_pool.get_new_blocks(num_required)
+                req_blocks.extend(new_blocks)
+            if self.enable_caching and num_total // block_size > self.num_cached_block[req_id]:
+                self._cache_blocks(request, min(num_total, len(request.all_token_ids)))
+            return new_blocks
+
         is_new = req_blocks is None
         num_held = len(req_blocks) if req_blocks is not None else 0
         num_revived = 0
