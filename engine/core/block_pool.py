@@ -44,10 +44,17 @@ class FreeKVCacheBlockQueue:
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
         self._head = KVCacheBlock(-1)
         self._tail = KVCacheBlock(-1)
-        self._head.next_free_block = self._tail
-        self._tail.prev_free_block = self._head
-        self.num_free_blocks = 0
-        self.append_n(blocks)
+        # Link the initial blocks in one tight loop: pools of 100k+ blocks are common on GPUs.
+        prev = self._head
+        count = 0
+        for block in blocks:
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+            count += 1
+        prev.next_free_block = self._tail
+        self._tail.prev_free_block = prev
+        self.num_free_blocks = count
 
     def popleft(self) -> KVCacheBlock:
         """Remove and return the front block (the next one to reuse)."""
