@@ -192,6 +192,20 @@ def test_prefix_hit_stops_at_first_miss() -> None:
     assert (ids(hits), num_hit) == ([1], 16)
 
 
+def test_prefix_hit_stops_at_first_miss_even_if_later_blocks_are_cached() -> None:
+    manager = make_manager()
+    prompt = list(range(64))
+    first = make_request("a", prompt)
+    admit(manager, first)
+    manager.free(first)
+    middle = manager.block_pool.blocks[2]  # evict the second block's hash only
+    assert middle.block_hash is not None
+    manager.block_pool.cached_block_hash_to_block.pop(middle.block_hash, 2)
+    middle.block_hash = None
+    hits, num_hit = manager.get_computed_blocks(make_request("b", prompt))
+    assert (ids(hits), num_hit) == ([1], 16)
+
+
 def test_full_hit_recomputes_last_token() -> None:
     manager = make_manager()
     prompt = list(range(48))  # exactly three blocks
@@ -346,7 +360,10 @@ def test_prefix_cache_counters() -> None:
     manager = make_manager()
     prompt = list(range(40))
     admit(manager, make_request("a", prompt))
-    admit(manager, make_request("b", prompt))
+    second = make_request("b", prompt)
+    admit(manager, second)
+    second.append_output_token_ids(1)
+    assert manager.allocate_slots(second, 1) is not None  # a decode step is not a lookup
     assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (80, 32)
 
 
