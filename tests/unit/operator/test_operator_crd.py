@@ -82,7 +82,9 @@ VALID = {
         engine={"enableChunkedPrefill": False, "maxNumBatchedTokens": 4096},
     ),
 }
+LONG_NAME = {**manifest(), "metadata": {"name": "x" * 51, "namespace": "default"}}
 INVALID = {  # name -> (manifest, a fragment of the refusal)
+    "name too long for rank hostnames": (LONG_NAME, "at most 50 characters"),
     "no image": (manifest(image=None), "'image' is a required property"),
     "no model path": (manifest(model={"dtype": "auto"}), "'path' is a required property"),
     "relative model path": (manifest(model={"path": "models/x"}), "does not match"),
