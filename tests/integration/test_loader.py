@@ -46,7 +46,7 @@ def _assert_matches_reference(
             torch.testing.assert_close(tensor, reference[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _assert_arch_matches(arch: ArchConfig, config) -> None:  # type: ignore[no-untyped-def]
+def _assert_arch_matches(arch: ArchConfig, config) -> None:
     assert arch.vocab_size == config.vocab_size
     assert arch.hidden_size == config.hidden_size
     assert arch.intermediate_size == config.intermediate_size
@@ -71,14 +71,14 @@ def smol_weights(smollm2_path: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_weights_equal_transformers(smol_weights, hf_smollm2) -> None:  # type: ignore[no-untyped-def]
+def test_smollm2_gguf_weights_equal_transformers(smol_weights, hf_smollm2) -> None:
     reference = hf_smollm2.state_dict()
     assert len(smol_weights) == 30 * 9 + 2  # tied: no lm_head
     _assert_matches_reference(smol_weights, reference, tied=True, exact=False)
 
 
 @pytest.mark.slow
-def test_smollm2_q_k_need_the_unpermutation(smol_weights, smollm2_path: str, hf_smollm2) -> None:  # type: ignore[no-untyped-def]
+def test_smollm2_q_k_need_the_unpermutation(smol_weights, smollm2_path: str, hf_smollm2) -> None:
     """The raw GGUF rows are not HF's: the comparison above would catch a missing inverse."""
     from gguf.quants import dequantize
 
@@ -92,7 +92,7 @@ def test_smollm2_q_k_need_the_unpermutation(smol_weights, smollm2_path: str, hf_
 
 
 @pytest.mark.slow
-def test_smollm2_arch_config(smollm2_path: str, hf_smollm2) -> None:  # type: ignore[no-untyped-def]
+def test_smollm2_arch_config(smollm2_path: str, hf_smollm2) -> None:
     arch = load_arch_config(smollm2_path)
     _assert_arch_matches(arch, hf_smollm2.config)
     assert arch.architecture == "LlamaForCausalLM"

@@ -63,7 +63,7 @@ def smol(smollm2_path: str) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def hf_smol(smollm2_path: str):  # type: ignore[no-untyped-def]
+def hf_smol(smollm2_path: str):
     from transformers import AutoTokenizer
 
     folder, name = os.path.split(smollm2_path)
@@ -72,7 +72,7 @@ def hf_smol(smollm2_path: str):  # type: ignore[no-untyped-def]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("text", VARIED)
-def test_gguf_encode_matches_transformers(smol: Tokenizer, hf_smol, text: str) -> None:  # type: ignore[no-untyped-def]
+def test_gguf_encode_matches_transformers(smol: Tokenizer, hf_smol, text: str) -> None:
     assert smol.encode(text) == hf_smol.encode(text)
     assert smol.encode(text, add_special_tokens=False) == hf_smol.encode(
         text, add_special_tokens=False
@@ -90,7 +90,7 @@ def test_gguf_encode_matches_transformers(smol: Tokenizer, hf_smol, text: str) -
 )
 def test_gguf_digits_split_like_smollm2_tokenizer_json(
     smol: Tokenizer,
-    hf_smol,  # type: ignore[no-untyped-def]
+    hf_smol,
     text: str,
     expected: list[int],
 ) -> None:
@@ -115,7 +115,7 @@ def test_gguf_digits_split_like_smollm2_tokenizer_json(
 @pytest.mark.parametrize("text", VARIED)
 def test_gguf_decode_round_trips_and_matches_transformers(
     smol: Tokenizer,
-    hf_smol,  # type: ignore[no-untyped-def]
+    hf_smol,
     text: str,
 ) -> None:
     ids = smol.encode(text)
@@ -127,7 +127,7 @@ def test_gguf_decode_round_trips_and_matches_transformers(
 
 
 @pytest.mark.slow
-def test_gguf_special_tokens(smol: Tokenizer, hf_smol) -> None:  # type: ignore[no-untyped-def]
+def test_gguf_special_tokens(smol: Tokenizer, hf_smol) -> None:
     assert smol.vocab_size == len(hf_smol) == 49152
     assert (smol.bos_token, smol.eos_token) == ("<|im_start|>", "<|im_end|>")
     assert (smol.bos_token_id, smol.eos_token_id) == (hf_smol.bos_token_id, hf_smol.eos_token_id)
@@ -142,7 +142,7 @@ def test_gguf_special_tokens(smol: Tokenizer, hf_smol) -> None:  # type: ignore[
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_gguf_chat_template_matches_transformers(
     smol: Tokenizer,
-    hf_smol,  # type: ignore[no-untyped-def]
+    hf_smol,
     conversation: list[dict[str, str]],
     add_generation_prompt: bool,
 ) -> None:
@@ -321,7 +321,7 @@ def test_no_chat_template() -> None:
         Tokenizer(_tiny_backend()).apply_chat_template([{"role": "user", "content": "hi"}])
 
 
-def _tiny_backend():  # type: ignore[no-untyped-def]
+def _tiny_backend():
     from tests.fixtures_models import train_tiny_tokenizer
 
     return train_tiny_tokenizer()
