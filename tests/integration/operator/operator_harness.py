@@ -22,7 +22,8 @@ from typing import Any
 import aiohttp
 import kopf
 import yaml
-from kubeemu import KubeEmu, ServedInThread
+from kubeemu import KubeEmu
+from kubeemu_server import ServedInThread
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 CRD = yaml.safe_load((REPO / "crds" / "inferenceengines.corefleet.dev.yaml").read_text())
