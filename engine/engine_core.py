@@ -8,7 +8,7 @@ import queue
 import time
 
 from corefleet.engine.config import EngineConfig
-from corefleet.engine.core.kv_cache import make_block_hasher
+from corefleet.engine.core.block_hash import make_block_hasher
 from corefleet.engine.core.scheduler import Scheduler
 from corefleet.engine.models.loader import load_arch_config, resolve_model_path
 from corefleet.engine.protocol import EngineCoreOutputs, EngineCoreRequest

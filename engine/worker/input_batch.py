@@ -130,8 +130,16 @@ class InputBatch:
             sample_mask=sample_mask,
         )
 
-    def context_slots(self, rows: np.ndarray, max_len: int) -> np.ndarray:
-        """Flat cache slots of positions [0, max_len) for each row: [len(rows), max_len]."""
+    def context_slots(
+        self, rows: np.ndarray, context_lens: np.ndarray, max_len: int
+    ) -> np.ndarray:
+        """Flat cache slots of positions [0, max_len) for each row: [len(rows), max_len].
+
+        Positions at or past a row's context length map to slot 0 (the zeroed null block), so
+        padding never reads uninitialised cache memory.
+        """
         positions = np.arange(max_len, dtype=np.int64)
         blocks = self.block_table[rows[:, None], positions[None, :] // self.block_size]
-        return blocks * self.block_size + positions[None, :] % self.block_size
+        slots = blocks * self.block_size + positions[None, :] % self.block_size
+        slots[positions[None, :] >= context_lens[:, None]] = 0
+        return slots

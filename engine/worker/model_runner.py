@@ -90,27 +90,37 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         a = self.arch
         shape = (num_blocks, self.block_size, a.num_key_value_heads, a.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(a.num_hidden_layers)
-        ]
+        # Uninitialised on purpose: zero-filling gigabytes costs seconds at start-up, and every
+        # slot attention reads is either written first or lies in block 0, which padding points
+        # to and which is zeroed here (garbage there could be NaN, and 0 * NaN is NaN).
+        self.kv_caches = []
+        for _ in range(a.num_hidden_layers):
+            k = torch.empty(shape, dtype=self.dtype, device=self.device)
+            v = torch.empty(shape, dtype=self.dtype, device=self.device)
+            k[0].zero_()
+            v[0].zero_()
+            self.kv_caches.append((k, v))
 
     # ---- one step -------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
+            self._update_states(so)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        num_computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
-        num_computed.update((r.req_id, r.num_computed_tokens) for r in so.scheduled_cached_reqs)
-        inputs = self.batch.prepare(so.num_scheduled_tokens, num_computed)
-        meta = self._attention_metadata(inputs)
+        inputs, meta = self.prepare_step(so)
         assert self.model is not None, "load_model() first"
         hidden = self.model(self._to_device(inputs.input_ids), self._to_device(inputs.positions),
                             self.kv_caches, meta)  # [T, H]
         return self._sample(inputs, hidden)
+
+    def prepare_step(self, so: SchedulerOutput) -> tuple[StepInputs, AttentionMetadata]:
+        """Apply the scheduler's changes to the batch state and build this step's inputs."""
+        self._update_states(so)
+        num_computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        num_computed.update((r.req_id, r.num_computed_tokens) for r in so.scheduled_cached_reqs)
+        inputs = self.batch.prepare(so.num_scheduled_tokens, num_computed)
+        return inputs, self._attention_metadata(inputs)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -132,7 +142,7 @@ class ModelRunner:
         if nd:
             lens = inputs.context_lens[:nd]
             max_len = int(lens.max())
-            slots = self.batch.context_slots(inputs.rows[:nd], max_len)  # [Bd, L]
+            slots = self.batch.context_slots(inputs.rows[:nd], lens, max_len)  # [Bd, L]
             decode_slots = self._to_device(slots)
             mask = np.arange(max_len)[None, :] < lens[:, None]  # [Bd, L]
             decode_mask = self._to_device(mask)[:, None, None, :]
@@ -142,7 +152,9 @@ class ModelRunner:
             n, ctx = int(inputs.query_lens[i]), int(inputs.context_lens[i])
             slots_i = None
             if ctx > n:  # part of the context is already cached: attend through the cache
-                slots_i = self._to_device(self.batch.context_slots(inputs.rows[i : i + 1], ctx)[0])
+                slots_i = self._to_device(
+                    self.batch.context_slots(inputs.rows[i : i + 1], inputs.context_lens[i : i + 1],
+                                             ctx)[0])
             prefills.append(PrefillSpan(token_start, n, ctx, slots_i))
             token_start += n
         return AttentionMetadata(
@@ -173,14 +185,14 @@ class ModelRunner:
             device=self.device,
         )
         out = self.sampler(logits, meta)
-        sampled = out.sampled_token_ids.tolist()
+        sampled = out.sampled_token_ids
         sampled_by_req: list[list[int]] = [[] for _ in inputs.req_ids]
         logprobs: dict[str, Logprobs] = {}
         for k, i in enumerate(sampling_idx):
             state = states[k]
             self.batch.append_token(state.row, sampled[k])
             sampled_by_req[i] = [sampled[k]]
-            row_logprobs = out.logprobs[k] if out.logprobs is not None else None
+            row_logprobs = out.logprobs[k]
             if row_logprobs is not None:
                 logprobs[state.req_id] = row_logprobs
         return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled_by_req,

@@ -1,0 +1,91 @@
+"""The engine on the real SmolLM2 equals transformers' greedy generate token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+from corefleet.engine import LLM, SamplingParams
+from tests.integration.hf_reference import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "def fibonacci(n):\n    ",
+    "Kubernetes is a container orchestration system that",
+    "Once upon a time, in a small village at the edge of a dark forest, there lived an old "
+    "woman who kept bees. Every morning she",
+    "Q: What is 12 times 7?\nA:",
+    "The three laws of thermodynamics are",
+    "List five fruits:\n1.",
+    "In machine learning, a transformer model uses attention to weigh the importance of each "
+    "token in a sequence relative to the others. Explain, in simple words, why this matters "
+    "for translation between languages that order words differently, and give an example "
+    "with English and German sentences where the verb moves to the end.",
+    "Hello",
+]
+NEW_TOKENS = 48
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2_path: str) -> list[list[int]]:
+    from corefleet.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_model_path(smollm2_path)
+    return [tok.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(hf_smollm2, prompt_ids: list[list[int]]) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    return [hf_greedy(hf_smollm2, ids, NEW_TOKENS) for ids in prompt_ids]
+
+
+def _generate(llm: LLM, prompt_ids: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_batched_greedy_equals_hf(prompt_ids, hf_outputs) -> None:  # type: ignore[no-untyped-def]
+    llm = LLM(dtype="float32", kv_cache_memory=256 << 20)
+    assert len({len(p) for p in prompt_ids}) >= 8, "prompts must have different lengths"
+    assert _generate(llm, prompt_ids) == hf_outputs
+
+
+def test_chunked_prefill_and_small_budget_change_nothing(prompt_ids, hf_outputs) -> None:  # type: ignore[no-untyped-def]
+    # A 32-token budget splits every long prompt into chunks and mixes them with decodes.
+    llm = LLM(dtype="float32", kv_cache_memory=256 << 20, max_num_batched_tokens=32,
+              max_num_seqs=4)
+    assert _generate(llm, prompt_ids) == hf_outputs
+
+
+def test_preemption_changes_no_output(prompt_ids, hf_outputs) -> None:  # type: ignore[no-untyped-def]
+    # 24 blocks of 16 tokens cannot hold ten requests of ~60-120 tokens at once.
+    llm = LLM(dtype="float32", num_blocks_override=24, enable_prefix_caching=False)
+    assert _generate(llm, prompt_ids) == hf_outputs
+    assert llm.engine.scheduler.make_stats().num_preemptions > 0
+
+
+def test_prefix_cache_hits_and_changes_no_output(prompt_ids, hf_outputs) -> None:  # type: ignore[no-untyped-def]
+    llm = LLM(dtype="float32", kv_cache_memory=256 << 20, enable_prefix_caching=True)
+    long_prompt = prompt_ids[8]  # > 3 blocks of 16 tokens
+    first = llm.generate({"prompt_token_ids": long_prompt}, GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    again = llm.generate({"prompt_token_ids": long_prompt}, GREEDY, use_tqdm=False)[0]
+    # Every full block but the one holding the last prompt token is reused.
+    assert again.num_cached_tokens >= (len(long_prompt) - 1) // 16 * 16 - 16
+    assert again.num_cached_tokens > 0
+    stats = llm.engine.scheduler.make_stats()
+    assert stats.prefix_cache_hits >= again.num_cached_tokens
+    assert first.outputs[0].token_ids == hf_outputs[8]
+    assert again.outputs[0].token_ids == hf_outputs[8]
+
+
+def test_chat_template_and_text(smollm2_path: str) -> None:
+    llm = LLM(dtype="float32", kv_cache_memory=64 << 20)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=24, temperature=0.0))[0]
+    assert out.prompt is not None and out.prompt.startswith("<|im_start|>")
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason in ("stop", "length")
