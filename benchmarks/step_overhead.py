@@ -13,6 +13,7 @@ import argparse
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from corefleet.engine.config import EngineConfig
@@ -36,13 +37,9 @@ class NullModelRunner(ModelRunner):
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         inputs, _meta = self.prepare_step(so)
-        sampled: list[list[int]] = []
-        for i, req_id in enumerate(inputs.req_ids):
-            if inputs.sample_mask[i]:
-                self.batch.append_token(self.batch.requests[req_id].row, 7)
-                sampled.append([7])
-            else:
-                sampled.append([])
+        sampling = inputs.sample_mask
+        self.batch.append_tokens(inputs.rows[sampling], np.full(int(sampling.sum()), 7))
+        sampled = [[7] if s else [] for s in sampling.tolist()]
         return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled)
 
 

@@ -29,8 +29,10 @@ class AttentionMetadata:
     num_tokens: int
     slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot of each new token
     num_decodes: int  # rows [0, num_decodes) are single-token requests
-    decode_slots: torch.Tensor | None  # [num_decodes, max_len] int64 flat slots (0 past the end)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool, True = attend
+    # Decode rows gather whole blocks: block ids past a row's last block are 0 (the zeroed null
+    # block), and the mask hides every position at or past the row's context length.
+    decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks] int64
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSpan]
     # For backends that take block tables directly (Triton, flash-attn); the torch path uses
     # the precomputed slots above.

@@ -41,9 +41,10 @@ def paged_attention(
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
     if meta.num_decodes:
-        assert meta.decode_slots is not None and meta.decode_mask is not None
+        assert meta.decode_block_table is not None and meta.decode_mask is not None
         out[: meta.num_decodes] = _decode_attention(
-            query[: meta.num_decodes], flat_k, flat_v, meta.decode_slots, meta.decode_mask, scale
+            query[: meta.num_decodes], k_cache, v_cache, meta.decode_block_table,
+            meta.decode_mask, scale,
         )
     for span in meta.prefills:
         rows = slice(span.token_start, span.token_start + span.num_new_tokens)
@@ -54,14 +55,19 @@ def paged_attention(
 
 def _decode_attention(
     query: torch.Tensor,  # [B, Hq, D]
-    flat_k: torch.Tensor,  # [num_slots, Hkv, D]
-    flat_v: torch.Tensor,  # [num_slots, Hkv, D]
-    slots: torch.Tensor,  # [B, L] int64
-    mask: torch.Tensor,  # [B, 1, 1, L] bool
+    k_cache: torch.Tensor,  # [num_blocks, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, bs, Hkv, D]
+    block_table: torch.Tensor,  # [B, nb] int64
+    mask: torch.Tensor,  # [B, 1, 1, nb * bs] bool
     scale: float,
 ) -> torch.Tensor:  # [B, Hq, D]
-    keys = flat_k[slots].transpose(1, 2)  # [B, Hkv, L, D]
-    values = flat_v[slots].transpose(1, 2)  # [B, Hkv, L, D]
+    batch, num_blocks = block_table.shape
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    context = num_blocks * block_size
+    # Masked positions hold zeros (null block) or the finite K/V of a block's earlier owner;
+    # their attention weight is exactly 0, so they contribute nothing.
+    keys = k_cache[block_table].view(batch, context, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_cache[block_table].view(batch, context, num_kv_heads, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2),  # [B, Hq, 1, D]
         keys,

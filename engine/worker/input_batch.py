@@ -48,8 +48,13 @@ class InputBatch:
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)  # tokens in the KV cache
         self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Flat cache slot of every position of every row, kept in step with the block table so
+        # that a step's slot lookups are plain gathers (0, the null block, where unallocated).
+        self.slot_table = np.zeros((max_num_reqs, max_blocks * block_size), dtype=np.int64)
+        self._block_offsets = np.arange(block_size, dtype=np.int64)
         self.requests: dict[str, RequestState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -59,6 +64,7 @@ class InputBatch:
         token_ids: list[int],
         num_prompt_tokens: int,
         block_ids: list[int],
+        num_computed_tokens: int,
         sampling_params: SamplingParams,
         generator: torch.Generator | None,
     ) -> None:
@@ -67,7 +73,9 @@ class InputBatch:
         row = self._free_rows.pop()
         self.token_ids[row, : len(token_ids)] = token_ids
         self.num_tokens[row] = len(token_ids)
+        self.num_computed[row] = num_computed_tokens
         self.num_blocks[row] = 0
+        self.block_table[row] = 0  # rows are reused: no stale block ids past the new ones
         self.append_blocks(row, block_ids)
         self.requests[req_id] = RequestState(
             req_id, row, num_prompt_tokens, sampling_params, generator
@@ -80,13 +88,18 @@ class InputBatch:
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         if block_ids:
-            start = int(self.num_blocks[row])
-            self.block_table[row, start : start + len(block_ids)] = block_ids
-            self.num_blocks[row] = start + len(block_ids)
+            start, bs = int(self.num_blocks[row]), self.block_size
+            ids = np.asarray(block_ids, dtype=np.int64)
+            self.block_table[row, start : start + len(ids)] = ids
+            self.slot_table[row, start * bs : (start + len(ids)) * bs] = (
+                ids[:, None] * bs + self._block_offsets
+            ).ravel()
+            self.num_blocks[row] = start + len(ids)
 
-    def append_token(self, row: int, token_id: int) -> None:
-        self.token_ids[row, self.num_tokens[row]] = token_id
-        self.num_tokens[row] += 1
+    def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Append one sampled token to each of ``rows`` (distinct rows)."""
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1
 
     def output_token_ids(self, state: RequestState) -> list[int]:
         row = state.row
@@ -95,51 +108,63 @@ class InputBatch:
     def prompt_token_ids(self, state: RequestState) -> list[int]:
         return self.token_ids[state.row, : state.num_prompt_tokens].tolist()
 
-    def prepare(
-        self, num_scheduled: dict[str, int], num_computed: dict[str, int]
-    ) -> StepInputs:
-        """Flatten the scheduled requests: positions, token ids and cache slots of every token."""
+    def prepare(self, num_scheduled: dict[str, int]) -> StepInputs:
+        """Flatten the scheduled requests: positions, token ids and cache slots of every token,
+        then advance each request's computed-token count by what it computes now."""
         decodes = [r for r, n in num_scheduled.items() if n == 1]
         others = [r for r, n in num_scheduled.items() if n != 1]
         req_ids = decodes + others
-        rows = np.fromiter((self.requests[r].row for r in req_ids), np.int64, len(req_ids))
-        query_lens = np.fromiter((num_scheduled[r] for r in req_ids), np.int64, len(req_ids))
-        starts = np.fromiter((num_computed[r] for r in req_ids), np.int64, len(req_ids))
-        context_lens = starts + query_lens
+        requests = self.requests
+        rows = np.fromiter((requests[r].row for r in req_ids), np.int64, len(req_ids))
+        query_lens = np.ones(len(req_ids), dtype=np.int64)
+        query_lens[len(decodes) :] = [num_scheduled[r] for r in others]
+        starts = self.num_computed[rows]  # [B]
+        context_lens = starts + query_lens  # [B]
+        self.num_computed[rows] = context_lens
 
-        # positions: for each request, starts[i] .. starts[i] + query_lens[i] - 1
-        total = int(query_lens.sum())
-        row_of_token = np.repeat(rows, query_lens)  # [T]
-        first_token = np.cumsum(query_lens) - query_lens  # [B]
-        offsets = np.arange(total, dtype=np.int64) - np.repeat(first_token, query_lens)
-        positions = np.repeat(starts, query_lens) + offsets  # [T]
+        if not others:  # the common decode-only step: one token per request
+            positions = starts
+            row_of_token = rows
+        else:  # positions of request i: starts[i] .. starts[i] + query_lens[i] - 1
+            total = int(query_lens.sum())
+            row_of_token = np.repeat(rows, query_lens)  # [T]
+            first_token = np.cumsum(query_lens) - query_lens  # [B]
+            offsets = np.arange(total, dtype=np.int64) - np.repeat(first_token, query_lens)
+            positions = np.repeat(starts, query_lens) + offsets  # [T]
 
-        input_ids = self.token_ids[row_of_token, positions]  # [T]
-        blocks = self.block_table[row_of_token, positions // self.block_size]  # [T]
-        slot_mapping = blocks * self.block_size + positions % self.block_size
-        sample_mask = context_lens >= self.num_tokens[rows]
         return StepInputs(
             req_ids=req_ids,
-            input_ids=input_ids,
+            input_ids=self.token_ids[row_of_token, positions],  # [T]
             positions=positions,
-            slot_mapping=slot_mapping,
+            slot_mapping=self.slot_table[row_of_token, positions],  # [T]
             query_lens=query_lens,
             context_lens=context_lens,
             rows=rows,
             num_decodes=len(decodes),
-            sample_mask=sample_mask,
+            sample_mask=context_lens >= self.num_tokens[rows],
         )
 
     def context_slots(
         self, rows: np.ndarray, context_lens: np.ndarray, max_len: int
-    ) -> np.ndarray:
-        """Flat cache slots of positions [0, max_len) for each row: [len(rows), max_len].
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Flat cache slots of positions [0, max_len) of each row, and which are inside the
+        row's context: two ``[len(rows), max_len]`` arrays (int64, bool).
 
         Positions at or past a row's context length map to slot 0 (the zeroed null block), so
         padding never reads uninitialised cache memory.
         """
-        positions = np.arange(max_len, dtype=np.int64)
-        blocks = self.block_table[rows[:, None], positions[None, :] // self.block_size]
-        slots = blocks * self.block_size + positions[None, :] % self.block_size
-        slots[positions[None, :] >= context_lens[:, None]] = 0
-        return slots
+        inside = np.arange(max_len)[None, :] < context_lens[:, None]  # [B, L]
+        return np.where(inside, self.slot_table[rows, :max_len], 0), inside
+
+    def decode_blocks(
+        self, rows: np.ndarray, context_lens: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Block tables of ``rows`` cut to the longest context, and which positions of the
+        gathered blocks are inside each row's context: ``[B, nb]`` int64, ``[B, nb * bs]`` bool.
+
+        Block ids past a row's last block are 0, the zeroed null block.
+        """
+        num_blocks = -(-int(context_lens.max()) // self.block_size)
+        positions = np.arange(num_blocks * self.block_size)
+        return self.block_table[rows, :num_blocks], positions[None, :] < context_lens[:, None]
+

@@ -117,9 +117,7 @@ class ModelRunner:
     def prepare_step(self, so: SchedulerOutput) -> tuple[StepInputs, AttentionMetadata]:
         """Apply the scheduler's changes to the batch state and build this step's inputs."""
         self._update_states(so)
-        num_computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
-        num_computed.update((r.req_id, r.num_computed_tokens) for r in so.scheduled_cached_reqs)
-        inputs = self.batch.prepare(so.num_scheduled_tokens, num_computed)
+        inputs = self.batch.prepare(so.num_scheduled_tokens)
         return inputs, self._attention_metadata(inputs)
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -132,36 +130,35 @@ class ModelRunner:
                 generator = torch.Generator(self.device).manual_seed(params.seed)
             self.batch.add(new.req_id, new.token_ids,
                            len(new.token_ids) - new.num_output_tokens,
-                           new.block_ids, params, generator)
+                           new.block_ids, new.num_computed_tokens, params, generator)
+        requests = self.batch.requests
         for cached in so.scheduled_cached_reqs:
-            self.batch.append_blocks(self.batch.requests[cached.req_id].row, cached.new_block_ids)
+            if cached.new_block_ids:
+                self.batch.append_blocks(requests[cached.req_id].row, cached.new_block_ids)
 
     def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
         nd = inputs.num_decodes
-        decode_slots = decode_mask = None
+        decode_blocks = decode_mask = None
         if nd:
-            lens = inputs.context_lens[:nd]
-            max_len = int(lens.max())
-            slots = self.batch.context_slots(inputs.rows[:nd], lens, max_len)  # [Bd, L]
-            decode_slots = self._to_device(slots)
-            mask = np.arange(max_len)[None, :] < lens[:, None]  # [Bd, L]
-            decode_mask = self._to_device(mask)[:, None, None, :]
+            blocks, inside = self.batch.decode_blocks(inputs.rows[:nd], inputs.context_lens[:nd])
+            decode_blocks = self._to_device(blocks)  # [Bd, nb]
+            decode_mask = self._to_device(inside)[:, None, None, :]  # [Bd, 1, 1, nb * bs]
         prefills = []
         token_start = nd
         for i in range(nd, len(inputs.req_ids)):
             n, ctx = int(inputs.query_lens[i]), int(inputs.context_lens[i])
             slots_i = None
             if ctx > n:  # part of the context is already cached: attend through the cache
-                slots_i = self._to_device(
-                    self.batch.context_slots(inputs.rows[i : i + 1], inputs.context_lens[i : i + 1],
-                                             ctx)[0])
+                slots_i, _ = self.batch.context_slots(inputs.rows[i : i + 1],
+                                                      inputs.context_lens[i : i + 1], ctx)
+                slots_i = self._to_device(slots_i[0])
             prefills.append(PrefillSpan(token_start, n, ctx, slots_i))
             token_start += n
         return AttentionMetadata(
             num_tokens=len(inputs.input_ids),
             slot_mapping=self._to_device(inputs.slot_mapping),
             num_decodes=nd,
-            decode_slots=decode_slots,
+            decode_block_table=decode_blocks,
             decode_mask=decode_mask,
             prefills=prefills,
         )
@@ -186,15 +183,13 @@ class ModelRunner:
         )
         out = self.sampler(logits, meta)
         sampled = out.sampled_token_ids
+        self.batch.append_tokens(inputs.rows[sampling_idx], np.asarray(sampled, dtype=np.int64))
         sampled_by_req: list[list[int]] = [[] for _ in inputs.req_ids]
-        logprobs: dict[str, Logprobs] = {}
-        for k, i in enumerate(sampling_idx):
-            state = states[k]
-            self.batch.append_token(state.row, sampled[k])
+        for k, i in enumerate(sampling_idx.tolist()):
             sampled_by_req[i] = [sampled[k]]
-            row_logprobs = out.logprobs[k]
-            if row_logprobs is not None:
-                logprobs[state.req_id] = row_logprobs
+        logprobs = {
+            states[k].req_id: row for k, row in enumerate(out.logprobs) if row is not None
+        }
         return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled_by_req,
                                  logprobs=logprobs)
 
