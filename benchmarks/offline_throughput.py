@@ -23,27 +23,30 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hf_baseline import hf_generate_batch, hf_throughput, load_hf_model  # noqa: E402
-from roofline import gemm_peak_flops, memory_bandwidth  # noqa: E402
+from hf_baseline import hf_generate_batch, hf_throughput, load_hf_model
+from roofline import gemm_peak_flops, memory_bandwidth
 
-from corefleet.engine import LLM, SamplingParams  # noqa: E402
-from corefleet.engine.models.arch import ArchConfig  # noqa: E402
-from corefleet.engine.models.loader import load_arch_config, resolve_model_path  # noqa: E402
+from corefleet.engine import LLM, SamplingParams
+from corefleet.engine.models.arch import ArchConfig
+from corefleet.engine.models.loader import load_arch_config, resolve_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def make_workload(n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(64, 512))]
-               for _ in range(n)]
+    prompts = [
+        [rng.randrange(100, vocab - 100) for _ in range(rng.randint(64, 512))] for _ in range(n)
+    ]
     return prompts, [rng.randint(64, 256) for _ in range(n)]
 
 
 def linear_params(a: ArchConfig) -> int:
     """Weights of every matmul a token goes through, the LM head excluded."""
     q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
-    per_layer = a.hidden_size * (q + 2 * kv) + q * a.hidden_size + 3 * a.hidden_size * a.intermediate_size
+    per_layer = (
+        a.hidden_size * (q + 2 * kv) + q * a.hidden_size + 3 * a.hidden_size * a.intermediate_size
+    )
     return per_layer * a.num_hidden_layers
 
 
@@ -63,14 +66,18 @@ def workload_flops(a: ArchConfig, prompts: list[list[int]], output_lens: list[in
 
 def model_gemm_shapes(a: ArchConfig, m: int) -> list[tuple[int, int, int]]:
     q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
-    return [(m, a.hidden_size, q + 2 * kv), (m, q, a.hidden_size),
-            (m, a.hidden_size, 2 * a.intermediate_size), (m, a.intermediate_size, a.hidden_size)]
+    return [
+        (m, a.hidden_size, q + 2 * kv),
+        (m, q, a.hidden_size),
+        (m, a.hidden_size, 2 * a.intermediate_size),
+        (m, a.intermediate_size, a.hidden_size),
+    ]
 
 
-def bench_corefleet(llm: LLM, prompts: list[list[int]], output_lens: list[int],
-                    runs: int) -> list[float]:
-    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
-              for n in output_lens]
+def bench_corefleet(
+    llm: LLM, prompts: list[list[int]], output_lens: list[int], runs: int
+) -> list[float]:
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in output_lens]
     inputs = [{"prompt_token_ids": p} for p in prompts]
     rates = []
     for _ in range(runs):
@@ -98,8 +105,12 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3, help="corefleet runs (median reported)")
     parser.add_argument("--hf-batch-sizes", default="1,8,32")
-    parser.add_argument("--hf-batch1-prompts", type=int, default=4,
-                        help="batch size 1 runs on this many prompts (it is slow); a rate")
+    parser.add_argument(
+        "--hf-batch1-prompts",
+        type=int,
+        default=4,
+        help="batch size 1 runs on this many prompts (it is slow); a rate",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--decode-tokens", type=int, default=128)
@@ -113,15 +124,22 @@ def main() -> None:
     results: dict[str, object] = {"dtype": args.dtype, "threads": torch.get_num_threads()}
 
     # -- corefleet ---------------------------------------------------------------------------
-    llm = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
+    llm = LLM(
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False,
+    )
     bench_corefleet(llm, prompts[:4], [16] * 4, runs=1)  # warm-up
     cf_rates = bench_corefleet(llm, prompts, output_lens, args.runs)
     cf_rate = statistics.median(cf_rates)
     decode_prompt = {"prompt_token_ids": prompts[0][:32]}
     decode_params = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True, temperature=0)
-    cf_decode = single_stream(lambda: llm.generate(decode_prompt, decode_params, use_tqdm=False),
-                              args.decode_tokens, runs=3)
+    cf_decode = single_stream(
+        lambda: llm.generate(decode_prompt, decode_params, use_tqdm=False),
+        args.decode_tokens,
+        runs=3,
+    )
     llm.shutdown()
 
     # -- machine ceilings ---------------------------------------------------------------------
@@ -129,8 +147,9 @@ def main() -> None:
     bandwidth = memory_bandwidth()
     flops = workload_flops(arch, prompts, output_lens)
     total_out = sum(output_lens)
-    weight_bytes = (linear_params(arch) + arch.hidden_size * arch.vocab_size) * \
-        torch.tensor([], dtype=dtype).element_size()
+    weight_bytes = (linear_params(arch) + arch.hidden_size * arch.vocab_size) * torch.tensor(
+        [], dtype=dtype
+    ).element_size()
     decode_bound = bandwidth / weight_bytes
 
     # -- Hugging Face -------------------------------------------------------------------------
@@ -145,27 +164,44 @@ def main() -> None:
     hf_rate = hf_rates[hf_best_bs]
     hf_decode = single_stream(
         lambda: hf_generate_batch(model, [prompts[0][:32]], args.decode_tokens, pad_id),
-        args.decode_tokens, runs=3)
+        args.decode_tokens,
+        runs=3,
+    )
 
     results.update(
-        corefleet_tok_s=cf_rate, corefleet_runs=cf_rates, hf_tok_s=hf_rate,
-        hf_best_batch=hf_best_bs, hf_by_batch=hf_rates, ratio=cf_rate / hf_rate,
+        corefleet_tok_s=cf_rate,
+        corefleet_runs=cf_rates,
+        hf_tok_s=hf_rate,
+        hf_best_batch=hf_best_bs,
+        hf_by_batch=hf_rates,
+        ratio=cf_rate / hf_rate,
         gemm_peak_gflops=peak / 1e9,
         corefleet_mfu=flops * cf_rate / total_out / peak,
         hf_mfu=flops * hf_rate / total_out / peak,
-        bandwidth_gb_s=bandwidth / 1e9, decode_bound_tok_s=decode_bound,
-        corefleet_decode_tok_s=cf_decode, hf_decode_tok_s=hf_decode,
-        corefleet_decode_frac=cf_decode / decode_bound, hf_decode_frac=hf_decode / decode_bound,
+        bandwidth_gb_s=bandwidth / 1e9,
+        decode_bound_tok_s=decode_bound,
+        corefleet_decode_tok_s=cf_decode,
+        hf_decode_tok_s=hf_decode,
+        corefleet_decode_frac=cf_decode / decode_bound,
+        hf_decode_frac=hf_decode / decode_bound,
     )
-    print(f"\nSmolLM2-135M {args.dtype}, {args.num_prompts} prompts, {total_out} output tokens, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"\nSmolLM2-135M {args.dtype}, {args.num_prompts} prompts, {total_out} output tokens, "
+        f"{torch.get_num_threads()} threads"
+    )
     print(f"{'':24}{'corefleet':>12}{'HF':>12}")
-    print(f"{'output tok/s':24}{cf_rate:12.1f}{hf_rate:12.1f}   (HF best batch {hf_best_bs}; "
-          f"ratio {cf_rate / hf_rate:.2f}x)")
-    print(f"{'MFU vs GEMM peak':24}{results['corefleet_mfu']:12.1%}{results['hf_mfu']:12.1%}"
-          f"   (peak {peak / 1e9:.1f} GFLOP/s)")
-    print(f"{'decode tok/s (1 stream)':24}{cf_decode:12.1f}{hf_decode:12.1f}   "
-          f"(bound {decode_bound:.1f} tok/s at {bandwidth / 1e9:.1f} GB/s)")
+    print(
+        f"{'output tok/s':24}{cf_rate:12.1f}{hf_rate:12.1f}   (HF best batch {hf_best_bs}; "
+        f"ratio {cf_rate / hf_rate:.2f}x)"
+    )
+    print(
+        f"{'MFU vs GEMM peak':24}{results['corefleet_mfu']:12.1%}{results['hf_mfu']:12.1%}"
+        f"   (peak {peak / 1e9:.1f} GFLOP/s)"
+    )
+    print(
+        f"{'decode tok/s (1 stream)':24}{cf_decode:12.1f}{hf_decode:12.1f}   "
+        f"(bound {decode_bound:.1f} tok/s at {bandwidth / 1e9:.1f} GB/s)"
+    )
     print(f"{'decode / bound':24}{cf_decode / decode_bound:12.1%}{hf_decode / decode_bound:12.1%}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

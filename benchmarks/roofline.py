@@ -8,8 +8,9 @@ import time
 import torch
 
 
-def gemm_peak_flops(shapes: list[tuple[int, int, int]], dtype: torch.dtype,
-                    repeats: int = 5) -> float:
+def gemm_peak_flops(
+    shapes: list[tuple[int, int, int]], dtype: torch.dtype, repeats: int = 5
+) -> float:
     """Best FLOP/s of ``torch.matmul`` over the given (M, K, N) shapes (the model's own)."""
     best = 0.0
     for m, k, n in shapes:

@@ -26,9 +26,18 @@ from corefleet.engine.request import Request
 from corefleet.engine.worker.model_runner import ModelRunner
 
 SMOLLM2_SHAPE = ArchConfig(
-    architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-    rms_norm_eps=1e-5, rope_theta=1e5, max_position_embeddings=8192, tie_word_embeddings=True,
+    architecture="LlamaForCausalLM",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=1e5,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
 )
 
 
@@ -44,8 +53,12 @@ class NullModelRunner(ModelRunner):
 
 
 def run(num_requests: int, prompt_len: int, steps: int) -> float:
-    config = EngineConfig.from_kwargs(max_model_len=4096, max_num_seqs=num_requests,
-                                      max_num_batched_tokens=8192, num_blocks_override=20000)
+    config = EngineConfig.from_kwargs(
+        max_model_len=4096,
+        max_num_seqs=num_requests,
+        max_num_batched_tokens=8192,
+        num_blocks_override=20000,
+    )
     runner = NullModelRunner(config, SMOLLM2_SHAPE, "", torch.device("cpu"), torch.float32)
     scheduler = Scheduler(config.scheduler, config.cache, 20000, 4096, config.cache.block_size)
     hasher = make_block_hasher(config.cache.block_size)
@@ -73,9 +86,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     figures = [run(args.num_requests, args.prompt_len, args.steps) for _ in range(args.runs)]
-    print(f"{args.num_requests} decoding requests: {statistics.median(figures):.0f} us/step "
-          f"(median of {args.runs} runs of {args.steps} steps; all: "
-          f"{', '.join(f'{f:.0f}' for f in figures)})")
+    print(
+        f"{args.num_requests} decoding requests: {statistics.median(figures):.0f} us/step "
+        f"(median of {args.runs} runs of {args.steps} steps; all: "
+        f"{', '.join(f'{f:.0f}' for f in figures)})"
+    )
 
 
 if __name__ == "__main__":

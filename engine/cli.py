@@ -29,18 +29,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    gen = sub.add_parser("generate", help="complete one prompt (or a chat turn) and print it",
-                         description="Generate text for a prompt with an in-process engine.")
-    gen.add_argument("--prompt", action="append", required=True,
-                     help="prompt text (repeat for a batch)")
-    gen.add_argument("--chat", action="store_true",
-                     help="wrap each prompt as a user message in the model's chat template")
+    gen = sub.add_parser(
+        "generate",
+        help="complete one prompt (or a chat turn) and print it",
+        description="Generate text for a prompt with an in-process engine.",
+    )
+    gen.add_argument(
+        "--prompt", action="append", required=True, help="prompt text (repeat for a batch)"
+    )
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap each prompt as a user message in the model's chat template",
+    )
     _sampling_args(gen)
     add_engine_args(gen)
 
-    chat = sub.add_parser("chat", help="interactive chat on stdin/stdout",
-                          description="Chat with the model; one user message per line of "
-                                      "stdin, an empty line or EOF ends the session.")
+    chat = sub.add_parser(
+        "chat",
+        help="interactive chat on stdin/stdout",
+        description="Chat with the model; one user message per line of "
+        "stdin, an empty line or EOF ends the session.",
+    )
     chat.add_argument("--system", default=None, help="system message")
     _sampling_args(chat)
     add_engine_args(chat)
@@ -49,8 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: "
-                        "%(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=envs.log_level(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     try:
         if args.command == "generate":
             return _generate(args)
@@ -65,9 +78,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _params(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from corefleet.engine.protocol import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
-                          stop=list(args.stop))
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        stop=list(args.stop),
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -76,15 +94,18 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(**engine_kwargs_from_args(args))
     params = _params(args)
     if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params,
-                           use_tqdm=False)
+        outputs = llm.chat(
+            [[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False
+        )
     else:
         outputs = llm.generate(args.prompt, params, use_tqdm=False)
     for out in outputs:
         completion = out.outputs[0]
         print(completion.text)
-        print(f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]",
-              file=sys.stderr)
+        print(
+            f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]",
+            file=sys.stderr,
+        )
     llm.shutdown()
     return 0
 

@@ -37,11 +37,16 @@ class ModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
-                 "must be auto, float32, bfloat16 or float16")
+        _require(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            "dtype",
+            self.dtype,
+            "must be auto, float32, bfloat16 or float16",
+        )
         if self.max_model_len is not None:
-            _require(self.max_model_len >= 2, "max_model_len", self.max_model_len,
-                     "must be at least 2")
+            _require(
+                self.max_model_len >= 2, "max_model_len", self.max_model_len, "must be at least 2"
+            )
 
 
 @dataclass(frozen=True)
@@ -55,15 +60,31 @@ class CacheConfig:
     num_blocks_override: int | None = None  # tests: an exact pool size, block 0 included
 
     def __post_init__(self) -> None:
-        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", self.block_size,
-                 "must be a power of two up to 128")
-        _require(self.kv_cache_memory > 0, "kv_cache_memory", self.kv_cache_memory,
-                 "must be a positive number of bytes")
-        _require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
-                 self.gpu_memory_utilization, "must be in (0, 1]")
+        _require(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            "block_size",
+            self.block_size,
+            "must be a power of two up to 128",
+        )
+        _require(
+            self.kv_cache_memory > 0,
+            "kv_cache_memory",
+            self.kv_cache_memory,
+            "must be a positive number of bytes",
+        )
+        _require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "must be in (0, 1]",
+        )
         if self.num_blocks_override is not None:
-            _require(self.num_blocks_override >= 2, "num_blocks_override",
-                     self.num_blocks_override, "must be at least 2 (block 0 is reserved)")
+            _require(
+                self.num_blocks_override >= 2,
+                "num_blocks_override",
+                self.num_blocks_override,
+                "must be at least 2 (block 0 is reserved)",
+            )
 
 
 @dataclass(frozen=True)
@@ -77,10 +98,15 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
-                 self.max_num_batched_tokens, "must be >= 1")
-        _require(self.policy in ("fcfs", "priority"), "policy", self.policy,
-                 "must be fcfs or priority")
+        _require(
+            self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            "must be >= 1",
+        )
+        _require(
+            self.policy in ("fcfs", "priority"), "policy", self.policy, "must be fcfs or priority"
+        )
 
 
 @dataclass(frozen=True)
@@ -91,9 +117,12 @@ class DeviceConfig:
     attention_backend: AttentionBackendName = "auto"
 
     def __post_init__(self) -> None:
-        _require(self.attention_backend in ("auto", "torch", "triton", "flash-attn"),
-                 "attention_backend", self.attention_backend,
-                 "must be auto, torch, triton or flash-attn")
+        _require(
+            self.attention_backend in ("auto", "torch", "triton", "flash-attn"),
+            "attention_backend",
+            self.attention_backend,
+            "must be auto, torch, triton or flash-attn",
+        )
 
 
 @dataclass(frozen=True)
@@ -118,7 +147,7 @@ class EngineConfig:
                 accepted = ", ".join(sorted(_FIELD_TO_SECTION))
                 raise TypeError(f"unknown engine argument {key!r}; accepted: {accepted}")
             groups[section][key] = value
-        return cls(**{name: sub(**groups[name]) for name, sub in _SECTIONS.items()})  # type: ignore[arg-type]
+        return cls(**{name: sub(**groups[name]) for name, sub in _SECTIONS.items()})
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         return dataclasses.replace(

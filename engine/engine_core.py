@@ -26,7 +26,8 @@ class EngineCore:
         self.model_path = resolve_model_path(config.model.model)
         arch = load_arch_config(self.model_path)
         self.config = config = _resolve_max_model_len(config, arch.max_position_embeddings)
-        self.max_model_len: int = config.model.max_model_len  # type: ignore[assignment]
+        assert config.model.max_model_len is not None
+        self.max_model_len: int = config.model.max_model_len
         self.vocab_size = arch.vocab_size
         self.eos_token_id = arch.eos_token_ids[0] if arch.eos_token_ids else None
 
@@ -34,8 +35,9 @@ class EngineCore:
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(self.num_blocks)
         block_size = config.cache.block_size
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.num_blocks,
-                                   self.max_model_len, block_size)
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.num_blocks, self.max_model_len, block_size
+        )
         self.block_hasher = (
             make_block_hasher(block_size) if config.cache.enable_prefix_caching else None
         )
@@ -44,7 +46,10 @@ class EngineCore:
         self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
         logger.info(
             "engine ready in %.1f s: max_model_len=%d, %d KV blocks of %d tokens (%d tokens)",
-            time.perf_counter() - started, self.max_model_len, self.num_blocks, block_size,
+            time.perf_counter() - started,
+            self.max_model_len,
+            self.num_blocks,
+            block_size,
             (self.num_blocks - 1) * block_size,
         )
 
@@ -64,8 +69,9 @@ class EngineCore:
             )
         bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                             f"(size {self.vocab_size})")
+            raise ValueError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})"
+            )
         request.sampling_params.validate(self.vocab_size)
         return Request.from_engine_core_request(request, self.eos_token_id, self.block_hasher)
 

@@ -73,21 +73,41 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
         _check(self.top_k >= -1, "top_k", self.top_k, "must be -1, 0 (off) or positive")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty,
-               "must be in [-2, 2]")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
-               self.frequency_penalty, "must be in [-2, 2]")
-        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
-               self.repetition_penalty, "must be in (0, 2]")
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            self.presence_penalty,
+            "must be in [-2, 2]",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            self.frequency_penalty,
+            "must be in [-2, 2]",
+        )
+        _check(
+            0.0 < self.repetition_penalty <= 2.0,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "must be in (0, 2]",
+        )
         if self.max_tokens is not None:
             _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be at least 1")
-            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
-                   f"must not exceed max_tokens ({self.max_tokens})")
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                self.min_tokens,
+                f"must not exceed max_tokens ({self.max_tokens})",
+            )
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
         if self.logprobs is not None:
             _check(0 <= self.logprobs <= 20, "logprobs", self.logprobs, "must be in [0, 20]")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
-               "must be non-empty strings")
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            self.stop,
+            "must be non-empty strings",
+        )
         if self.seed is not None:
             _check(0 <= self.seed < 2**63, "seed", self.seed, "must be in [0, 2**63)")
         if vocab_size is not None:

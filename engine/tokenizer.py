@@ -25,9 +25,10 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
-from corefleet.engine.models.gguf_loader import GGUFTokenizerMetadata, read_gguf_tokenizer_metadata
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
+
+from corefleet.engine.models.gguf_loader import GGUFTokenizerMetadata, read_gguf_tokenizer_metadata
 
 __all__ = ["Tokenizer"]
 

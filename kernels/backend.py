@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 class AttentionBackend(Protocol):
     """What a paged-attention implementation provides."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def write_kv_cache(
         self,

@@ -43,13 +43,18 @@ def paged_attention(
     if meta.num_decodes:
         assert meta.decode_block_table is not None and meta.decode_mask is not None
         out[: meta.num_decodes] = _decode_attention(
-            query[: meta.num_decodes], k_cache, v_cache, meta.decode_block_table,
-            meta.decode_mask, scale,
+            query[: meta.num_decodes],
+            k_cache,
+            v_cache,
+            meta.decode_block_table,
+            meta.decode_mask,
+            scale,
         )
     for span in meta.prefills:
         rows = slice(span.token_start, span.token_start + span.num_new_tokens)
-        out[rows] = _prefill_attention(query[rows], key[rows], value[rows], flat_k, flat_v, span,
-                                       scale)
+        out[rows] = _prefill_attention(
+            query[rows], key[rows], value[rows], flat_k, flat_v, span, scale
+        )
     return out
 
 
@@ -92,8 +97,7 @@ def _prefill_attention(
     if span.context_slots is None:
         # Nothing cached before this chunk: plain causal attention over the new tokens.
         k, v = key.transpose(0, 1), value.transpose(0, 1)  # [Hkv, Tq, D]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return out.transpose(0, 1)
     k = flat_k[span.context_slots].transpose(0, 1)  # [Hkv, L, D]
     v = flat_v[span.context_slots].transpose(0, 1)  # [Hkv, L, D]

@@ -10,6 +10,7 @@ import hashlib
 from collections.abc import Sequence
 
 import msgspec
+
 from corefleet.engine.request import BlockHasher, Request
 
 BlockHash = bytes

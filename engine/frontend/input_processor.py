@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Mapping, Sequence
-from typing import TypeAlias, Union
+from typing import TypeAlias
 
 import msgspec
 
@@ -13,7 +13,7 @@ from corefleet.engine.protocol import EngineCoreRequest, SamplingParams
 from corefleet.engine.tokenizer import Tokenizer
 
 # A prompt is text, or a mapping with "prompt_token_ids" (and optionally "prompt").
-PromptType: TypeAlias = Union[str, Mapping[str, object]]
+PromptType: TypeAlias = str | Mapping[str, object]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,10 @@ class InputProcessor:
         )
 
     def make_requests(
-        self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
         priority: int = 0,
     ) -> list[EngineCoreRequest]:
         """One engine request per sample (``n`` of them), ids ``{i}_{request_id}`` when n > 1."""
@@ -53,8 +56,9 @@ class InputProcessor:
         params = self._resolve_max_tokens(len(prompt.prompt_token_ids), params)
         bad = [t for t in prompt.prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                             f"(size {self.vocab_size})")
+            raise ValueError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})"
+            )
         now = time.time()
         if params.n == 1:
             return [EngineCoreRequest(request_id, prompt.prompt_token_ids, params, now, priority)]
@@ -63,8 +67,11 @@ class InputProcessor:
             # Each sample gets its own seed so that seeded n>1 requests are not n copies.
             seed = None if params.seed is None else params.seed + i
             child = msgspec.structs.replace(params, n=1, seed=seed)
-            requests.append(EngineCoreRequest(f"{i}_{request_id}", prompt.prompt_token_ids,
-                                              child, now, priority))
+            requests.append(
+                EngineCoreRequest(
+                    f"{i}_{request_id}", prompt.prompt_token_ids, child, now, priority
+                )
+            )
         return requests
 
     def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> SamplingParams:

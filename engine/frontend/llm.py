@@ -68,8 +68,11 @@ class LLM:
             pending.append((request_id, processed, params, engine_requests))
         for request_id, processed, params, engine_requests in pending:
             self.output_processor.add_request(
-                request_id, processed.prompt, processed.prompt_token_ids,
-                [r.request_id for r in engine_requests], params,
+                request_id,
+                processed.prompt,
+                processed.prompt_token_ids,
+                [r.request_id for r in engine_requests],
+                params,
             )
             for engine_request in engine_requests:
                 self.engine.add_request(engine_request)
@@ -83,9 +86,7 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
-        conversations: list[ChatMessages] = (
-            [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item]
-        )
+        conversations = _as_conversations(messages)
         prompts: list[PromptType] = []
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(
@@ -97,8 +98,12 @@ class LLM:
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=len(request_ids),
+            desc="Processed prompts",
+            disable=not use_tqdm,
+            dynamic_ncols=True,
+        )
         num_generated = 0
         try:
             while self.output_processor.has_unfinished():
@@ -127,7 +132,13 @@ class LLM:
 def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, str | dict):
         return [prompts]
-    return list(prompts)  # type: ignore[arg-type]
+    return list(prompts)
+
+
+def _as_conversations(messages: ChatMessages | Sequence[ChatMessages]) -> list[ChatMessages]:
+    if messages and isinstance(messages[0], dict):
+        return [messages]  # type: ignore[list-item]
+    return list(messages)  # type: ignore[arg-type]
 
 
 def _broadcast(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:

@@ -37,15 +37,24 @@ class OutputProcessor:
         self._parents: dict[str, _ParentState] = {}
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-        engine_ids: list[str], params: SamplingParams,
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        engine_ids: list[str],
+        params: SamplingParams,
     ) -> None:
-        output = RequestOutput(request_id, prompt, prompt_token_ids,
-                               [CompletionOutput(i) for i in range(len(engine_ids))])
+        output = RequestOutput(
+            request_id,
+            prompt,
+            prompt_token_ids,
+            [CompletionOutput(i) for i in range(len(engine_ids))],
+        )
         self._parents[request_id] = _ParentState(output, len(engine_ids), engine_ids)
         for i, engine_id in enumerate(engine_ids):
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
-                                           params.skip_special_tokens)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.skip_special_tokens
+            )
             self._samples[engine_id] = _SampleState(output, output.outputs[i], params, detok)
 
     def has_unfinished(self) -> bool:
@@ -88,8 +97,9 @@ class OutputProcessor:
 
     def _apply(self, sample: _SampleState, out: EngineCoreOutput) -> bool:
         completion, params = sample.completion, sample.params
-        sample.parent.num_cached_tokens = max(sample.parent.num_cached_tokens,
-                                              out.num_cached_tokens)
+        sample.parent.num_cached_tokens = max(
+            sample.parent.num_cached_tokens, out.num_cached_tokens
+        )
         completion.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None:
             completion.logprobs = completion.logprobs or []
@@ -98,8 +108,13 @@ class OutputProcessor:
         sample.full_text += delta
         if out.finished:
             sample.full_text += sample.detokenizer.flush()
-        stop = check_stop_strings(sample.full_text, len(delta), params.stop,
-                                  params.include_stop_str_in_output) if params.stop else None
+        stop = (
+            check_stop_strings(
+                sample.full_text, len(delta), params.stop, params.include_stop_str_in_output
+            )
+            if params.stop
+            else None
+        )
         if stop is not None:
             stop_str, truncate_to = stop
             completion.text = sample.full_text[:truncate_to]

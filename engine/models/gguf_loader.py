@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from corefleet.engine.models.arch import ArchConfig
 
 # GGUF general.architecture -> the HF architecture our model code implements.

@@ -116,8 +116,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos_sin = build_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta,
-                                      cfg.rope_scaling)
+        cos_sin = build_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     def forward(

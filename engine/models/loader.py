@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
 from corefleet.engine.models.arch import ArchConfig
 from corefleet.engine.models.default_model import default_model_path
 from corefleet.engine.models.gguf_loader import (

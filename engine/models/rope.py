@@ -32,7 +32,8 @@ def build_cos_sin_cache(
         inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
     elif kind != "default":
         raise ValueError(
-            f"unsupported rope_scaling type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_SCALING)}"
+            f"unsupported rope_scaling type {kind!r}; "
+            f"supported: {', '.join(SUPPORTED_ROPE_SCALING)}"
         )
     positions = torch.arange(max_positions, dtype=torch.float32)  # [P]
     freqs = torch.outer(positions, inv_freq)  # [P, D/2]

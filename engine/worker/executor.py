@@ -27,14 +27,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+def resolve_dtype(
+    requested: str, checkpoint_dtype: str | None, device: torch.device
+) -> torch.dtype:
     """``auto``: the checkpoint's half-precision type on GPU; float32 on CPU (as vLLM on CPU
     without a bf16 request)."""
     if requested != "auto":
         return TORCH_DTYPES[requested]
     if device.type == "cuda":
-        return torch.bfloat16 if checkpoint_dtype in (None, "bfloat16", "float32") else \
-            TORCH_DTYPES.get(checkpoint_dtype, torch.bfloat16)
+        return (
+            torch.bfloat16
+            if checkpoint_dtype in (None, "bfloat16", "float32")
+            else TORCH_DTYPES.get(checkpoint_dtype, torch.bfloat16)
+        )
     return torch.float32
 
 

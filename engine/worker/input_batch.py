@@ -167,4 +167,3 @@ class InputBatch:
         num_blocks = -(-int(context_lens.max()) // self.block_size)
         positions = np.arange(num_blocks * self.block_size)
         return self.block_table[rows, :num_blocks], positions[None, :] < context_lens[:, None]
-

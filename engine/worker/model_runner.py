@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import numpy as np
@@ -13,8 +14,8 @@ from corefleet.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from corefleet.engine.models.arch import ArchConfig
 from corefleet.engine.models.llama import KVCache, LlamaForCausalLM
 from corefleet.engine.models.loader import load_weights
-from corefleet.engine.protocol import Logprobs
-from corefleet.engine.worker.input_batch import InputBatch, StepInputs
+from corefleet.engine.models.rope import build_cos_sin_cache
+from corefleet.engine.worker.input_batch import InputBatch, RequestState, StepInputs
 from corefleet.engine.worker.sampler import Sampler, SamplingMetadata
 from corefleet.kernels.backend import select_attention_backend
 from corefleet.kernels.metadata import AttentionMetadata, PrefillSpan
@@ -27,8 +28,14 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 class ModelRunner:
     """Owns the model, its KV cache and the per-request batch state on one device."""
 
-    def __init__(self, config: EngineConfig, arch: ArchConfig, model_path: str,
-                 device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        arch: ArchConfig,
+        model_path: str,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         self.config = config
         self.arch = arch
         self.model_path = model_path
@@ -41,8 +48,7 @@ class ModelRunner:
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[KVCache] = []
         self.sampler = Sampler()
-        self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len,
-                                self.block_size)
+        self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len, self.block_size)
 
     # ---- start-up -------------------------------------------------------------------------
 
@@ -52,14 +58,20 @@ class ModelRunner:
             model = LlamaForCausalLM(self.arch, self.backend, self.max_model_len)
         model = model.to_empty(device=self.device).to(self.dtype)
         # The rotary table is computed, not loaded: rebuild it after materialising.
-        model.register_buffer("cos_sin_cache", _cos_sin(self.arch, self.max_model_len,
-                                                        self.device), persistent=False)
+        model.register_buffer(
+            "cos_sin_cache", _cos_sin(self.arch, self.max_model_len, self.device), persistent=False
+        )
         if self.arch.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.load_weights(load_weights(self.model_path, self.dtype))
         self.model = model.eval()
-        logger.info("loaded %s (%s, %d layers) in %.1f s", self.model_path, self.dtype,
-                    self.arch.num_hidden_layers, time.perf_counter() - started)
+        logger.info(
+            "loaded %s (%s, %d layers) in %.1f s",
+            self.model_path,
+            self.dtype,
+            self.arch.num_hidden_layers,
+            time.perf_counter() - started,
+        )
 
     def kv_bytes_per_block(self) -> int:
         a = self.arch
@@ -90,16 +102,10 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         a = self.arch
         shape = (num_blocks, self.block_size, a.num_key_value_heads, a.head_dim)
-        # Uninitialised on purpose: zero-filling gigabytes costs seconds at start-up, and every
-        # slot attention reads is either written first or lies in block 0, which padding points
-        # to and which is zeroed here (garbage there could be NaN, and 0 * NaN is NaN).
-        self.kv_caches = []
-        for _ in range(a.num_hidden_layers):
-            k = torch.empty(shape, dtype=self.dtype, device=self.device)
-            v = torch.empty(shape, dtype=self.dtype, device=self.device)
-            k[0].zero_()
-            v[0].zero_()
-            self.kv_caches.append((k, v))
+        self.kv_caches = [
+            (_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
+            for _ in range(a.num_hidden_layers)
+        ]
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -110,8 +116,12 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs, meta = self.prepare_step(so)
         assert self.model is not None, "load_model() first"
-        hidden = self.model(self._to_device(inputs.input_ids), self._to_device(inputs.positions),
-                            self.kv_caches, meta)  # [T, H]
+        hidden = self.model(
+            self._to_device(inputs.input_ids),
+            self._to_device(inputs.positions),
+            self.kv_caches,
+            meta,
+        )  # [T, H]
         return self._sample(inputs, hidden)
 
     def prepare_step(self, so: SchedulerOutput) -> tuple[StepInputs, AttentionMetadata]:
@@ -128,9 +138,15 @@ class ModelRunner:
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(self.device).manual_seed(params.seed)
-            self.batch.add(new.req_id, new.token_ids,
-                           len(new.token_ids) - new.num_output_tokens,
-                           new.block_ids, new.num_computed_tokens, params, generator)
+            self.batch.add(
+                new.req_id,
+                new.token_ids,
+                len(new.token_ids) - new.num_output_tokens,
+                new.block_ids,
+                new.num_computed_tokens,
+                params,
+                generator,
+            )
         requests = self.batch.requests
         for cached in so.scheduled_cached_reqs:
             if cached.new_block_ids:
@@ -149,8 +165,9 @@ class ModelRunner:
             n, ctx = int(inputs.query_lens[i]), int(inputs.context_lens[i])
             slots_i = None
             if ctx > n:  # part of the context is already cached: attend through the cache
-                slots_i, _ = self.batch.context_slots(inputs.rows[i : i + 1],
-                                                      inputs.context_lens[i : i + 1], ctx)
+                slots_i, _ = self.batch.context_slots(
+                    inputs.rows[i : i + 1], inputs.context_lens[i : i + 1], ctx
+                )
                 slots_i = self._to_device(slots_i[0])
             prefills.append(PrefillSpan(token_start, n, ctx, slots_i))
             token_start += n
@@ -171,13 +188,13 @@ class ModelRunner:
             hidden[self._to_device(last_token[sampling_idx])]
         )  # [N, V]
         states = [self.batch.requests[inputs.req_ids[i]] for i in sampling_idx]
+        self._ban_stop_tokens_below_min_tokens(logits, states)
+        history = _needs_history(states)
         meta = SamplingMetadata.build(
             params=[s.sampling_params for s in states],
             generators=[s.generator for s in states],
-            output_token_ids=[self.batch.output_token_ids(s) for s in states]
-            if _needs_history(states) else [[] for _ in states],
-            prompt_token_ids=[self.batch.prompt_token_ids(s) for s in states]
-            if _needs_history(states) else [[] for _ in states],
+            output_token_ids=[self.batch.output_token_ids(s) if history else [] for s in states],
+            prompt_token_ids=[self.batch.prompt_token_ids(s) if history else [] for s in states],
             vocab_size=self.arch.vocab_size,
             device=self.device,
         )
@@ -187,26 +204,61 @@ class ModelRunner:
         sampled_by_req: list[list[int]] = [[] for _ in inputs.req_ids]
         for k, i in enumerate(sampling_idx.tolist()):
             sampled_by_req[i] = [sampled[k]]
-        logprobs = {
-            states[k].req_id: row for k, row in enumerate(out.logprobs) if row is not None
-        }
-        return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled_by_req,
-                                 logprobs=logprobs)
+        logprobs = {states[k].req_id: row for k, row in enumerate(out.logprobs) if row is not None}
+        return ModelRunnerOutput(
+            req_ids=inputs.req_ids, sampled_token_ids=sampled_by_req, logprobs=logprobs
+        )
+
+    def _ban_stop_tokens_below_min_tokens(
+        self, logits: torch.Tensor, states: list[RequestState]
+    ) -> None:
+        """Until a request has ``min_tokens`` outputs, EOS and its stop tokens cannot be
+        sampled (as in vLLM), so the request neither stops nor emits them early."""
+        rows: list[int] = []
+        cols: list[int] = []
+        for k, state in enumerate(states):
+            params = state.sampling_params
+            if not params.min_tokens:
+                continue
+            num_output = int(self.batch.num_tokens[state.row]) - state.num_prompt_tokens
+            if num_output >= params.min_tokens:
+                continue
+            banned = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned.update(self.arch.eos_token_ids)
+            rows.extend([k] * len(banned))
+            cols.extend(banned)
+        if rows:
+            logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
 
-def _needs_history(states: list) -> bool:  # type: ignore[type-arg]
+def _needs_history(states: list[RequestState]) -> bool:
     return any(
-        s.sampling_params.presence_penalty or s.sampling_params.frequency_penalty
+        s.sampling_params.presence_penalty
+        or s.sampling_params.frequency_penalty
         or s.sampling_params.repetition_penalty != 1.0
         for s in states
     )
 
 
 def _cos_sin(arch: ArchConfig, max_positions: int, device: torch.device) -> torch.Tensor:
-    from corefleet.engine.models.rope import build_cos_sin_cache
+    table = build_cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
+    return table.to(device)  # [max_positions, head_dim] float32
 
-    return build_cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta,
-                               arch.rope_scaling).to(device)
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV-cache tensor.
+
+    Zeros matter: attention reads whole blocks and masks the positions past a request's
+    context, and a masked position still multiplies its value by a weight of 0, which is NaN
+    if uninitialised memory happens to hold NaN. On CPU, numpy's calloc-backed zeros come
+    from fresh pages the kernel zeroes on first touch, so gigabytes cost nothing at start-up
+    (``torch.zeros`` would write every byte).
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from corefleet.engine.protocol import Logprobs
 from corefleet.engine.worker.sampling_metadata import SamplingMetadata
 

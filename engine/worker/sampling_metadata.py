@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
 from corefleet.engine.protocol import SamplingParams
 
 # Requests with a temperature below this are sampled greedily (same rule as SamplingParams).

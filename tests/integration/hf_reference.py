@@ -18,4 +18,4 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  
         eos_token_id=None,
         pad_token_id=0,
     )
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()

@@ -33,8 +33,11 @@ def test_abort_frees_blocks(llm: LLM) -> None:
 
 
 def test_max_tokens_and_length_finish(llm: LLM) -> None:
-    out = llm.generate({"prompt_token_ids": [5, 6, 7]},
-                       SamplingParams(max_tokens=7, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt_token_ids": [5, 6, 7]},
+        SamplingParams(max_tokens=7, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert len(out.outputs[0].token_ids) == 7
     assert out.outputs[0].finish_reason == "length"
 
@@ -42,8 +45,11 @@ def test_max_tokens_and_length_finish(llm: LLM) -> None:
 @pytest.mark.parametrize(
     ("prompt", "params", "message"),
     [
-        ({"prompt_token_ids": list(range(5, 300))}, SamplingParams(max_tokens=4),
-         "maximum context length"),
+        (
+            {"prompt_token_ids": list(range(5, 300))},
+            SamplingParams(max_tokens=4),
+            "maximum context length",
+        ),
         ({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=300), "max_tokens=300"),
         ({"prompt_token_ids": [5, 99999]}, SamplingParams(), "outside the vocabulary"),
         ({"prompt_token_ids": []}, SamplingParams(), "empty"),
@@ -82,8 +88,9 @@ def test_seeded_sampling_is_reproducible_and_n_samples_differ(llm: LLM) -> None:
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, n=3, ignore_eos=True)
     first = llm.generate("hello there", params, use_tqdm=False)[0]
     # Same request again, now batched with unrelated work: same tokens.
-    again = llm.generate(["other", "hello there"], [SamplingParams(temperature=1.0), params],
-                         use_tqdm=False)[1]
+    again = llm.generate(
+        ["other", "hello there"], [SamplingParams(temperature=1.0), params], use_tqdm=False
+    )[1]
     assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1
 
@@ -93,16 +100,20 @@ def test_stop_string_truncates_and_aborts(llm: LLM) -> None:
     full = llm.generate("hello", greedy, use_tqdm=False)[0].outputs[0]
     assert len(full.text) > 4
     stop = full.text[2:4]
-    cut = llm.generate("hello", SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
-                                               stop=[stop]), use_tqdm=False)[0].outputs[0]
+    cut = llm.generate(
+        "hello",
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == full.text[: full.text.index(stop)]
     assert not llm.engine.has_unfinished_requests()
 
 
 def test_logprobs_are_reported(llm: LLM) -> None:
-    out = llm.generate("hello", SamplingParams(max_tokens=4, temperature=0.0, logprobs=3),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        "hello", SamplingParams(max_tokens=4, temperature=0.0, logprobs=3), use_tqdm=False
+    )[0].outputs[0]
     assert out.logprobs is not None and len(out.logprobs) == 4
     for token_id, row in zip(out.token_ids, out.logprobs, strict=True):
         assert token_id in row
@@ -114,8 +125,21 @@ def test_stop_token_ids_finish_with_stop(llm: LLM) -> None:
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     tokens = llm.generate("hello", greedy, use_tqdm=False)[0].outputs[0].token_ids
     stop_at = tokens[3]
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
-                            stop_token_ids=[stop_at])
+    params = SamplingParams(
+        max_tokens=10, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_at]
+    )
     out = llm.generate("hello", params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == tokens[: tokens.index(stop_at) + 1]
     assert out.finish_reason == str(FinishReason.STOP) and out.stop_reason == stop_at
+
+
+def test_min_tokens_holds_back_stop_tokens(llm: LLM) -> None:
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    tokens = llm.generate("hello", greedy, use_tqdm=False)[0].outputs[0].token_ids
+    stop_at = tokens[1]
+    params = SamplingParams(
+        max_tokens=10, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_at], min_tokens=6
+    )
+    out = llm.generate("hello", params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 6
+    assert stop_at not in out.token_ids[:6]

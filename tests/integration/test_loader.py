@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from corefleet.engine.models import default_model
 from corefleet.engine.models.arch import ArchConfig
 from corefleet.engine.models.default_model import (
@@ -23,7 +24,6 @@ from corefleet.engine.models.default_model import (
 )
 from corefleet.engine.models.gguf_loader import llama3_freq_factors, open_gguf, unpermute_rotary
 from corefleet.engine.models.loader import load_arch_config, load_weights, resolve_model_path
-
 from tests.fixtures_models import (
     hf_state_dict,
     llamacpp_permute,

@@ -55,8 +55,7 @@ def test_batched_greedy_equals_hf(prompt_ids, hf_outputs) -> None:  # type: igno
 
 def test_chunked_prefill_and_small_budget_change_nothing(prompt_ids, hf_outputs) -> None:  # type: ignore[no-untyped-def]
     # A 32-token budget splits every long prompt into chunks and mixes them with decodes.
-    llm = LLM(dtype="float32", kv_cache_memory=256 << 20, max_num_batched_tokens=32,
-              max_num_seqs=4)
+    llm = LLM(dtype="float32", kv_cache_memory=256 << 20, max_num_batched_tokens=32, max_num_seqs=4)
     assert _generate(llm, prompt_ids) == hf_outputs
 
 
@@ -84,8 +83,10 @@ def test_prefix_cache_hits_and_changes_no_output(prompt_ids, hf_outputs) -> None
 
 def test_chat_template_and_text(smollm2_path: str) -> None:
     llm = LLM(dtype="float32", kv_cache_memory=64 << 20)
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(max_tokens=24, temperature=0.0))[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(max_tokens=24, temperature=0.0),
+    )[0]
     assert out.prompt is not None and out.prompt.startswith("<|im_start|>")
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason in ("stop", "length")

@@ -11,8 +11,10 @@ from corefleet.engine import LLM, SamplingParams
 from tests.fixtures_models import write_tiny_model
 from tests.integration.hf_reference import hf_greedy
 
-PROMPTS = [[5 + (i * 7 + j * 13) % 300 for j in range(length)]
-           for i, length in enumerate([3, 17, 40, 1, 64, 9, 33, 100])]
+PROMPTS = [
+    [5 + (i * 7 + j * 13) % 300 for j in range(length)]
+    for i, length in enumerate([3, 17, 40, 1, 64, 9, 33, 100])
+]
 NEW_TOKENS = 24
 
 
@@ -32,13 +34,21 @@ def _engine_outputs(folder: Path, **engine_args: object) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     ("architecture", "tied", "num_kv_heads"),
-    [("llama", False, 2), ("llama", True, 1), ("llama", False, 4), ("qwen2", False, 2),
-     ("mistral", True, 2)],
+    [
+        ("llama", False, 2),
+        ("llama", True, 1),
+        ("llama", False, 4),
+        ("qwen2", False, 2),
+        ("mistral", True, 2),
+    ],
 )
-def test_greedy_equals_hf(tmp_path: Path, architecture: str, tied: bool,
-                          num_kv_heads: int) -> None:
-    folder = write_tiny_model(tmp_path / "m", architecture=architecture,
-                              tie_word_embeddings=tied, num_kv_heads=num_kv_heads)
+def test_greedy_equals_hf(tmp_path: Path, architecture: str, tied: bool, num_kv_heads: int) -> None:
+    folder = write_tiny_model(
+        tmp_path / "m",
+        architecture=architecture,
+        tie_word_embeddings=tied,
+        num_kv_heads=num_kv_heads,
+    )
     expected = _hf_outputs(folder)
     assert _engine_outputs(folder) == expected
 
@@ -48,5 +58,7 @@ def test_small_blocks_chunks_and_preemption_change_nothing(tmp_path: Path) -> No
     expected = _hf_outputs(folder)
     # Blocks of 4 tokens, an 8-token step budget and a pool too small for all eight requests:
     # chunked prefill, many partial blocks and preemption by recompute all happen.
-    assert _engine_outputs(folder, block_size=4, max_num_batched_tokens=8,
-                           num_blocks_override=48) == expected
+    assert (
+        _engine_outputs(folder, block_size=4, max_num_batched_tokens=8, num_blocks_override=48)
+        == expected
+    )

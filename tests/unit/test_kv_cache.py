@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from corefleet.engine.core.block_hash import NONE_HASH, hash_block_tokens, make_block_hasher
 from corefleet.engine.core.block_pool import (
     BlockHashToBlockMap,

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
 from corefleet.engine.config import CacheConfig, SchedulerConfig, SchedulingPolicy
 from corefleet.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from corefleet.engine.core.scheduler import Scheduler
