@@ -21,11 +21,21 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """A running request the runner already holds state for."""
+    """Running requests the runner already holds state for, as parallel lists (one object per
+    step rather than one per request: this is built for every running request every step)."""
 
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)  # blocks allocated this step
+    num_computed_tokens: list[int] = field(default_factory=list)  # before this step
+
+    def append(self, req_id: str, new_block_ids: list[int], num_computed_tokens: int) -> None:
+        self.req_ids.append(req_id)
+        self.new_block_ids.append(new_block_ids)
+        self.num_computed_tokens.append(num_computed_tokens)
+
+    def remove(self, req_id: str) -> None:
+        i = self.req_ids.index(req_id)
+        del self.req_ids[i], self.new_block_ids[i], self.num_computed_tokens[i]
 
 
 @dataclass
@@ -33,7 +43,7 @@ class SchedulerOutput:
     """One step's work: which requests run and how many tokens each computes."""
 
     scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
+    scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     # Requests that finished or were preempted since the previous step: runners drop their state.

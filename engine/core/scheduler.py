@@ -27,10 +27,10 @@ from corefleet.engine.core.outputs import (
     SchedulerOutput,
 )
 from corefleet.engine.core.request_queue import create_request_queue
+from corefleet.engine.core.stop import append_tokens, check_stop, make_output
 from corefleet.engine.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
-    Logprobs,
     SchedulerStats,
 )
 from corefleet.engine.request import BlockHasher, Request, RequestStatus
@@ -38,32 +38,6 @@ from corefleet.engine.request import BlockHasher, Request, RequestStatus
 _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
-
-
-def check_stop(request: Request, max_model_len: int) -> bool:
-    """Decide whether ``request`` stops after its last token; set its status if so.
-
-    Order: ``min_tokens`` holds back EOS and stop-token stops, then EOS, then stop token ids
-    (``stop_reason`` = the token), then the length limits. The length limits apply even below
-    ``min_tokens``: nothing may run past ``max_model_len``.
-    """
-    num_output = len(request.output_token_ids)
-    if num_output >= request.sampling_params.min_tokens:
-        last = request.output_token_ids[-1]
-        if last == request.eos_token_id:  # None when ignore_eos
-            request.status = _STOPPED
-            return True
-        if last in request.stop_token_ids:
-            request.status = _STOPPED
-            request.stop_reason = last
-            return True
-    max_tokens = request.max_tokens
-    if len(request.all_token_ids) >= max_model_len or (
-        max_tokens is not None and num_output >= max_tokens
-    ):
-        request.status = _LENGTH_CAPPED
-        return True
-    return False
 
 
 class Scheduler:
@@ -199,7 +173,7 @@ class Scheduler:
 
     def _schedule_running(
         self, num_scheduled: dict[str, int]
-    ) -> tuple[list[CachedRequestData], int, bool]:
+    ) -> tuple[CachedRequestData, int, bool]:
         """Give running requests their tokens, preempting when blocks run out.
 
         Returns the request data, the token budget left and whether anything was preempted.
@@ -208,7 +182,7 @@ class Scheduler:
         running = self.running
         max_model_len = self.max_model_len
         token_budget = self.max_num_scheduled_tokens
-        scheduled: list[CachedRequestData] = []
+        scheduled = CachedRequestData()
         preempted = False
         req_index = 0
         while req_index < len(running) and token_budget > 0:
@@ -233,7 +207,7 @@ class Scheduler:
                     victim_id = victim.request_id
                     if victim_id in num_scheduled:  # already scheduled this step: refund it
                         token_budget += num_scheduled.pop(victim_id)
-                        scheduled = [c for c in scheduled if c.req_id != victim_id]
+                        scheduled.remove(victim_id)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -242,7 +216,7 @@ class Scheduler:
             if new_blocks is None:
                 break  # the request preempted itself: nothing more fits
             block_ids = [b.block_id for b in new_blocks] if new_blocks else []
-            scheduled.append(CachedRequestData(request.request_id, block_ids, computed))
+            scheduled.append(request.request_id, block_ids, computed)
             num_scheduled[request.request_id] = num_new
             request.num_computed_tokens = computed + num_new
             token_budget -= num_new
@@ -340,12 +314,10 @@ class Scheduler:
                 request.append_output_token_ids(generated[0])
                 new_token_ids, finished = generated, check_stop(request, max_model_len)
             else:
-                new_token_ids, finished = _append_tokens(request, generated, max_model_len)
+                new_token_ids, finished = append_tokens(request, generated, max_model_len)
 
             if finished or all_logprobs or len(request.output_token_ids) == len(new_token_ids):
-                output = _make_output(
-                    request, new_token_ids, len(generated), finished, all_logprobs
-                )
+                output = make_output(request, new_token_ids, len(generated), finished, all_logprobs)
                 if finished:
                     stopped.append(request)
             else:  # the common decode step: a plain token, nothing else to say
@@ -419,39 +391,3 @@ class Scheduler:
             while self.running:
                 self._preempt(self.running.pop())
         return self.kv_cache_manager.reset_prefix_cache()
-
-
-def _append_tokens(
-    request: Request, token_ids: list[int], max_model_len: int
-) -> tuple[list[int], bool]:
-    """Append several tokens, stopping at the first stop; the tokens after it are dropped."""
-    for i, token_id in enumerate(token_ids):
-        request.append_output_token_ids(token_id)
-        if check_stop(request, max_model_len):
-            return token_ids[: i + 1], True
-    return token_ids, False
-
-
-def _make_output(
-    request: Request,
-    new_token_ids: list[int],
-    num_sampled: int,
-    finished: bool,
-    all_logprobs: dict[str, Logprobs],
-) -> EngineCoreOutput:
-    """An output with more than tokens: a finish, logprobs or (first output) cache hits."""
-    logprobs = all_logprobs.get(request.request_id)
-    n = len(new_token_ids)
-    if logprobs is not None and n < num_sampled:  # rows of the dropped tokens go too
-        logprobs = Logprobs(
-            logprobs.token_ids[:n], logprobs.logprobs[:n], logprobs.sampled_ranks[:n]
-        )
-    first = len(request.output_token_ids) == len(new_token_ids)
-    return EngineCoreOutput(
-        request_id=request.request_id,
-        new_token_ids=new_token_ids,
-        new_logprobs=logprobs,
-        finish_reason=RequestStatus.finish_reason(request.status) if finished else None,
-        stop_reason=request.stop_reason if finished else None,
-        num_cached_tokens=max(request.num_cached_tokens, 0) if first else 0,
-    )

@@ -148,9 +148,10 @@ class ModelRunner:
                 generator,
             )
         requests = self.batch.requests
-        for cached in so.scheduled_cached_reqs:
-            if cached.new_block_ids:
-                self.batch.append_blocks(requests[cached.req_id].row, cached.new_block_ids)
+        cached = so.scheduled_cached_reqs
+        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if new_block_ids:
+                self.batch.append_blocks(requests[req_id].row, new_block_ids)
 
     def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
         nd = inputs.num_decodes

@@ -159,7 +159,7 @@ def test_first_schedule_admits_all_in_order() -> None:
     assert [r.req_id for r in out.scheduled_new_reqs] == [str(i) for i in range(10)]
     assert out.num_scheduled_tokens == {str(i): 10 + i for i in range(10)}
     assert out.total_num_scheduled_tokens == sum(range(10, 20))
-    assert not out.scheduled_cached_reqs and not out.finished_req_ids
+    assert not out.scheduled_cached_reqs.req_ids and not out.finished_req_ids
     assert [r.request_id for r in sched.running] == [str(i) for i in range(10)]
     new = out.scheduled_new_reqs[3]
     assert len(new.token_ids) == 13 and new.num_computed_tokens == 0
@@ -179,7 +179,8 @@ def test_chunked_prefill_splits_prompt_and_emits_nothing_until_done() -> None:
     assert req.num_computed_tokens == 64
     out, eo = step(sched)
     assert out.num_scheduled_tokens == {"a": 64}
-    assert [(c.req_id, c.num_computed_tokens) for c in out.scheduled_cached_reqs] == [("a", 64)]
+    cached = out.scheduled_cached_reqs
+    assert list(zip(cached.req_ids, cached.num_computed_tokens, strict=True)) == [("a", 64)]
     assert outputs_by_id(eo) == {}
     out, eo = step(sched)
     assert out.num_scheduled_tokens == {"a": 22}
@@ -200,7 +201,7 @@ def test_running_first_then_waiting_under_budget() -> None:
     # a finishes its prompt first, then b fits, then c gets what is left.
     assert out.num_scheduled_tokens == {"a": 36, "b": 10, "c": 18}
     assert out.total_num_scheduled_tokens == 64
-    assert [r.req_id for r in out.scheduled_cached_reqs] == ["a"]
+    assert out.scheduled_cached_reqs.req_ids == ["a"]
     assert [r.req_id for r in out.scheduled_new_reqs] == ["b", "c"]
 
 
@@ -322,7 +323,7 @@ def test_priority_preempts_lowest_priority_already_scheduled() -> None:
     # c needs a block; b (lowest priority) was already scheduled this step: it is refunded.
     assert out.preempted_req_ids == {"b"}
     assert out.num_scheduled_tokens == {"a": 1, "c": 1}
-    assert [r.req_id for r in out.scheduled_cached_reqs] == ["a", "c"]
+    assert out.scheduled_cached_reqs.req_ids == ["a", "c"]
     assert [r.request_id for r in sched.running] == ["a", "c"]
     assert sched.requests["b"].num_computed_tokens == 0
 
