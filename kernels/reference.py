@@ -67,21 +67,27 @@ def _decode_attention(
     scale: float,
 ) -> torch.Tensor:  # [B, Hq, D]
     batch, num_blocks = block_table.shape
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    total_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_q_heads = query.shape[1]
+    group = num_q_heads // num_kv_heads
     context = num_blocks * block_size
-    # Masked positions hold zeros (null block) or the finite K/V of a block's earlier owner;
-    # their attention weight is exactly 0, so they contribute nothing.
-    keys = k_cache[block_table].view(batch, context, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_cache[block_table].view(batch, context, num_kv_heads, head_dim).transpose(1, 2)
+    # index_select over whole blocks is a row memcpy; advanced indexing is ~2.5x slower here.
+    flat_ids = block_table.reshape(-1)
+    keys = torch.index_select(k_cache.view(total_blocks, -1), 0, flat_ids)
+    values = torch.index_select(v_cache.view(total_blocks, -1), 0, flat_ids)
+    keys = keys.view(batch, context, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
+    values = values.view(batch, context, num_kv_heads, head_dim).transpose(1, 2)
+    # The G query heads sharing a KV head attend as a block of G query rows, so K and V are
+    # never repeated per query head. Masked positions hold zeros (null block) or finite K/V of
+    # a block's earlier owner; their attention weight is exactly 0.
     out = F.scaled_dot_product_attention(
-        query.unsqueeze(2),  # [B, Hq, 1, D]
+        query.view(batch, num_kv_heads, group, head_dim),  # [B, Hkv, G, D]
         keys,
         values,
         attn_mask=mask,
         scale=scale,
-        enable_gqa=True,
-    )  # [B, Hq, 1, D]
-    return out.squeeze(2)
+    )  # [B, Hkv, G, D]
+    return out.reshape(batch, num_q_heads, head_dim)
 
 
 def _prefill_attention(

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 import kopf
+
 from corefleet.operator import admin
 from corefleet.operator import pods as podlib
 from corefleet.operator.curve import generate_keys

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import kopf
+
 from corefleet.operator import settings
 from corefleet.operator.controller import Indexes, Runtime, reconcile_engine
 from corefleet.operator.kube import KINDS

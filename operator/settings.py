@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import kopf
+
 from corefleet.operator.controller import Runtime
 from corefleet.operator.reconcile import Policy
 

@@ -54,9 +54,12 @@ class UniProcExecutor:
         arch = load_arch_config(model_path)
         device = resolve_device(config.device.device)
         dtype = resolve_dtype(config.model.dtype, arch.torch_dtype, device)
-        self.runner = ModelRunner(config, arch, model_path, device, dtype)
-        self.runner.load_model()
+        # Every torch call runs on this one thread, start-up included: on CPU each calling
+        # thread gets its own OpenMP pool, and a second pool spinning idle after start-up
+        # would steal a core from every forward pass.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="corefleet-executor")
+        self.runner = ModelRunner(config, arch, model_path, device, dtype)
+        self._pool.submit(self.runner.load_model).result()
         self._failure_callback: Callable[[], None] | None = None
 
     def register_failure_callback(self, callback: Callable[[], None]) -> None:
@@ -64,10 +67,10 @@ class UniProcExecutor:
         self._failure_callback = callback
 
     def determine_num_blocks(self) -> int:
-        return self.runner.determine_num_blocks()
+        return self._pool.submit(self.runner.determine_num_blocks).result()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.runner.initialize_kv_cache(num_blocks)
+        self._pool.submit(self.runner.initialize_kv_cache, num_blocks).result()
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False

@@ -85,9 +85,8 @@ class ModelRunner:
         if cache.num_blocks_override is not None:
             return cache.num_blocks_override
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = int(total * cache.gpu_memory_utilization) - used
+            _, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * cache.gpu_memory_utilization) - self._profile_peak_memory()
         else:
             budget = cache.kv_cache_memory
         num_blocks = budget // self.kv_bytes_per_block()
@@ -98,6 +97,35 @@ class ModelRunner:
                 "--gpu-memory-utilization"
             )
         return int(num_blocks)
+
+    @torch.inference_mode()
+    def _profile_peak_memory(self) -> int:
+        """Peak GPU bytes of a forward pass over a full token budget, weights included
+        (what must stay free besides the KV cache). Other processes' use counts too."""
+        assert self.model is not None
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        free_before, total = torch.cuda.mem_get_info(self.device)
+        others = total - free_before - torch.cuda.memory_reserved(self.device)
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        self.initialize_kv_cache(2)  # every dummy token writes slot 0..; attention is causal
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        meta = AttentionMetadata(
+            num_tokens=num_tokens,
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.long, device=self.device),
+            num_decodes=0,
+            decode_block_table=None,
+            decode_mask=None,
+            prefills=[PrefillSpan(0, num_tokens, num_tokens, None)],
+        )
+        hidden = self.model(ids, positions, self.kv_caches, meta)
+        self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs :])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return int(peak + others)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         a = self.arch

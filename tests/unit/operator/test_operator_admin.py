@@ -7,6 +7,7 @@ import socket
 
 import aiohttp.web
 import pytest
+
 from corefleet.operator.admin import fetch_engines, parse_engines
 
 

@@ -6,8 +6,9 @@ import copy
 from typing import Any
 
 import pytest
-from corefleet.operator.spec import InvalidSpec, parse_spec
 from crdcheck import CRD, SCHEMA, VERSION, defaulted, errors, rules
+
+from corefleet.operator.spec import InvalidSpec, parse_spec
 
 BASE: dict[str, Any] = {
     "apiVersion": "corefleet.dev/v1alpha1",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from corefleet.operator.curve import generate_keys, keypair_from_secret, z85_encode
 
 # RFC 7748 section 6.1, Alice's key pair.

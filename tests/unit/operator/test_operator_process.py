@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from corefleet.operator.cli import LIVENESS, kopf_args
 from corefleet.operator.kube import KubeClient, _decode
 from corefleet.operator.settings import OperatorConfig

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from operator_fixtures import KEYS, NOW, OLD, OWNER, children, pod, spec
+
 from corefleet.operator.naming import DO_NOT_DISRUPT, HASH_ANNOTATION
 from corefleet.operator.reconcile import Observed, Policy, plan
-from operator_fixtures import KEYS, NOW, OLD, OWNER, children, pod, spec
 
 
 def summary(result) -> list[tuple[str, str, str]]:

@@ -7,6 +7,7 @@ import pathlib
 
 import pytest
 import yaml
+
 from corefleet.operator import resources
 from corefleet.operator.curve import CurveKeyPair, CurveKeys
 from corefleet.operator.flags import engine_args, termination_grace_seconds

@@ -5,10 +5,11 @@ from __future__ import annotations
 import datetime
 
 import pytest
+from operator_fixtures import CURRENT, NOW, OLD, OWNER, children, pod, spec
+
 from corefleet.operator.pods import diagnose
 from corefleet.operator.reconcile import Observed, plan
 from corefleet.operator.status import Context, compute_status, rank_events
-from operator_fixtures import CURRENT, NOW, OLD, OWNER, children, pod, spec
 
 RECENT = (NOW - datetime.timedelta(seconds=30)).strftime("%Y-%m-%dT%H:%M:%SZ")
 
