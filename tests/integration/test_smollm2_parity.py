@@ -47,28 +47,33 @@ def _generate(llm: LLM, prompt_ids: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_batched_greedy_equals_hf(prompt_ids, hf_outputs) -> None:  # type: ignore[no-untyped-def]
-    llm = LLM(dtype="float32", kv_cache_memory=256 << 20)
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", kv_cache_memory=256 << 20, enable_prefix_caching=True)
+
+
+def test_batched_greedy_equals_hf(llm: LLM, prompt_ids, hf_outputs) -> None:  # type: ignore[no-untyped-def]
     assert len({len(p) for p in prompt_ids}) >= 8, "prompts must have different lengths"
     assert _generate(llm, prompt_ids) == hf_outputs
 
 
-def test_chunked_prefill_and_small_budget_change_nothing(prompt_ids, hf_outputs) -> None:  # type: ignore[no-untyped-def]
-    # A 32-token budget splits every long prompt into chunks and mixes them with decodes.
-    llm = LLM(dtype="float32", kv_cache_memory=256 << 20, max_num_batched_tokens=32, max_num_seqs=4)
-    assert _generate(llm, prompt_ids) == hf_outputs
+def test_chunked_prefill_and_preemption_change_nothing(prompt_ids, hf_outputs) -> None:  # type: ignore[no-untyped-def]
+    # A 32-token budget splits every long prompt into chunks mixed with decodes, and 24 blocks
+    # of 16 tokens cannot hold ten requests of 50-130 tokens at once: requests are preempted
+    # and recomputed.
+    small = LLM(
+        dtype="float32",
+        num_blocks_override=24,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=False,
+    )
+    assert _generate(small, prompt_ids) == hf_outputs
+    assert small.engine.scheduler.make_stats().num_preemptions > 0
 
 
-def test_preemption_changes_no_output(prompt_ids, hf_outputs) -> None:  # type: ignore[no-untyped-def]
-    # 24 blocks of 16 tokens cannot hold ten requests of ~60-120 tokens at once.
-    llm = LLM(dtype="float32", num_blocks_override=24, enable_prefix_caching=False)
-    assert _generate(llm, prompt_ids) == hf_outputs
-    assert llm.engine.scheduler.make_stats().num_preemptions > 0
-
-
-def test_prefix_cache_hits_and_changes_no_output(prompt_ids, hf_outputs) -> None:  # type: ignore[no-untyped-def]
-    llm = LLM(dtype="float32", kv_cache_memory=256 << 20, enable_prefix_caching=True)
+def test_prefix_cache_hits_and_changes_no_output(llm: LLM, prompt_ids, hf_outputs) -> None:  # type: ignore[no-untyped-def]
     long_prompt = prompt_ids[8]  # > 3 blocks of 16 tokens
+    assert llm.engine.scheduler.reset_prefix_cache()  # no request holds blocks between calls
     first = llm.generate({"prompt_token_ids": long_prompt}, GREEDY, use_tqdm=False)[0]
     assert first.num_cached_tokens == 0
     again = llm.generate({"prompt_token_ids": long_prompt}, GREEDY, use_tqdm=False)[0]
@@ -81,8 +86,7 @@ def test_prefix_cache_hits_and_changes_no_output(prompt_ids, hf_outputs) -> None
     assert again.outputs[0].token_ids == hf_outputs[8]
 
 
-def test_chat_template_and_text(smollm2_path: str) -> None:
-    llm = LLM(dtype="float32", kv_cache_memory=64 << 20)
+def test_chat_template_and_text(llm: LLM) -> None:
     out = llm.chat(
         [{"role": "user", "content": "What is the capital of France?"}],
         SamplingParams(max_tokens=24, temperature=0.0),
