@@ -75,21 +75,51 @@ class TorchReferenceBackend:
 
 
 def select_attention_backend(requested: str, device: torch.device) -> AttentionBackend:
-    """Resolve ``--attention-backend`` (auto|torch|triton|flash-attn) for ``device``.
+    """Resolve ``--attention-backend`` (auto|torch|cpu|triton|flash-attn) for ``device``.
 
-    auto: flash-attn if importable on CUDA, else Triton on CUDA, else the torch reference.
+    auto: flash-attn if importable on CUDA, else Triton on CUDA, else the torch reference; on
+    the CPU the C++ decode kernel ("cpu"), falling back to the torch reference (with a
+    warning) when it cannot be built here.
     """
-    if requested == "auto":
-        requested = "torch" if device.type != "cuda" else _best_cuda_backend()
-    if requested == "torch":
-        backend: AttentionBackend = TorchReferenceBackend()
+    backend: AttentionBackend
+    if requested == "auto" and device.type == "cpu":
+        backend = _cpu_backend_or_reference()
+    elif requested == "auto":
+        backend = _build(_best_cuda_backend(), device)
     else:
-        raise ValueError(
-            f"attention backend {requested!r} is not available in this build; "
-            "use --attention-backend torch"
-        )
+        backend = _build(requested, device)
     logger.info("attention backend: %s on %s", backend.name, device)
     return backend
+
+
+def _build(name: str, device: torch.device) -> AttentionBackend:
+    if name == "torch":
+        return TorchReferenceBackend()
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention backend 'cpu' needs a CPU device, got {device}")
+        from corefleet.kernels import cpu_attention  # imported only when asked for
+
+        return cpu_attention.CpuPagedAttentionBackend()
+    raise ValueError(
+        f"attention backend {name!r} is not available in this build; use --attention-backend torch"
+    )
+
+
+def _cpu_backend_or_reference() -> AttentionBackend:
+    # Building the C++ op needs ninja and a compiler; a machine without them still runs, on
+    # the slower but dependency-free reference.
+    try:
+        from corefleet.kernels import cpu_attention
+
+        return cpu_attention.CpuPagedAttentionBackend()
+    except Exception as exc:  # any build or load failure: fall back rather than not start
+        logger.warning(
+            "C++ CPU attention unavailable (%s: %s); using the torch reference backend",
+            type(exc).__name__,
+            exc,
+        )
+        return TorchReferenceBackend()
 
 
 def _best_cuda_backend() -> str:

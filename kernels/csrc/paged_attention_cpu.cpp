@@ -1,0 +1,265 @@
+// Decode paged attention on the CPU: one new query token per request, K and V read in place
+// from the paged cache through the request's block table (no gathered copy).
+//
+// Layouts (all row-major):
+//   query        [B, Hq, D]                          float32 or bfloat16 (last dim contiguous)
+//   k_cache      [num_blocks, block_size, Hkv, D]    same dtype as query, contiguous
+//   v_cache      [num_blocks, block_size, Hkv, D]    same dtype as query, contiguous
+//   block_table  [B, max_blocks] int64               block id of each of a row's blocks
+//   context_lens [B] int64                           tokens a row attends to (>= 1)
+//   returns      [B, Hq, D]                          query's dtype, contiguous
+//
+// Grouped-query attention: Hq = G * Hkv and query heads [h * G, (h + 1) * G) share KV head h,
+// so one task handles one (row, KV head) pair and reads each K/V row once for its G queries.
+//
+// Numerics: everything is accumulated in float32 with an exact two-pass softmax (scores for
+// the whole context are kept in a per-thread scratch buffer, then max, exp, sum). Only
+// positions < context_lens[b] are ever read, so stale or uninitialised cache memory past a
+// row's length (or in blocks outside its table) cannot reach the output.
+//
+// Only light headers are included: the full <torch/extension.h> (pybind11 + all of ATen)
+// roughly triples the build time, and the op is reached through torch.ops instead.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace corefleet {
+namespace {
+
+// Lanes of the independent partial sums in dot(). A fixed-width inner loop over independent
+// accumulators is what lets GCC vectorise the reduction at -O3 without -ffast-math (which
+// would also let it reorder the softmax arithmetic).
+constexpr int64_t kLanes = 16;
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float partial[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) {
+      partial[j] += a[i + j] * b[i + j];
+    }
+  }
+  float sum = 0.f;
+  for (int64_t j = 0; j < kLanes; ++j) {
+    sum += partial[j];
+  }
+  for (; i < n; ++i) {  // head dims that are not a multiple of kLanes
+    sum += a[i] * b[i];
+  }
+  return sum;
+}
+
+// out[i] += weight * x[i]
+inline void axpy(float* __restrict out, float weight, const float* __restrict x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] += weight * x[i];
+  }
+}
+
+// A cache row as float32: float32 rows are used in place, bfloat16 rows are widened into
+// `scratch` (exact: bf16 is the top half of an fp32 bit pattern).
+inline const float* as_float(const float* row, float* /*scratch*/, int64_t /*n*/) {
+  return row;
+}
+
+inline const float* as_float(const c10::BFloat16* row, float* __restrict scratch, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t widened = static_cast<uint32_t>(bits[i]) << 16;
+    std::memcpy(&scratch[i], &widened, sizeof(float));
+  }
+  return scratch;
+}
+
+inline void store(float value, float* out) { *out = value; }
+inline void store(float value, c10::BFloat16* out) { *out = c10::BFloat16(value); }
+
+template <typename scalar_t>
+void decode_attention_kernel(
+    const at::Tensor& query,         // [B, Hq, D]
+    const at::Tensor& k_cache,       // [num_blocks, bs, Hkv, D]
+    const at::Tensor& v_cache,       // [num_blocks, bs, Hkv, D]
+    const at::Tensor& block_table,   // [B, max_blocks] int64
+    const at::Tensor& context_lens,  // [B] int64
+    double scale,
+    at::Tensor& out) {               // [B, Hq, D]
+  const int64_t batch = query.size(0);
+  const int64_t num_q_heads = query.size(1);
+  const int64_t head_dim = query.size(2);
+  const int64_t num_blocks = k_cache.size(0);
+  const int64_t block_size = k_cache.size(1);
+  const int64_t num_kv_heads = k_cache.size(2);
+  const int64_t group = num_q_heads / num_kv_heads;
+  const int64_t max_blocks = block_table.size(1);
+
+  const int64_t q_row_stride = query.stride(0);
+  const int64_t q_head_stride = query.stride(1);
+  const int64_t token_stride = num_kv_heads * head_dim;  // between positions in a block
+  const int64_t block_stride = block_size * token_stride;
+
+  const scalar_t* q_data = query.data_ptr<scalar_t>();
+  const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
+  const scalar_t* v_data = v_cache.data_ptr<scalar_t>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  scalar_t* out_data = out.data_ptr<scalar_t>();
+
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    max_len = std::max(max_len, lens[b]);
+  }
+  const float fscale = static_cast<float>(scale);
+
+  // Task index = b * Hkv + h: a thread's contiguous range walks a row's KV heads together,
+  // which touch neighbouring bytes of the same cache blocks.
+  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    // Per-thread scratch, reused by every task in the range.
+    std::vector<float> q(group * head_dim);        // [G, D] scaled queries
+    std::vector<float> acc(group * head_dim);      // [G, D] weighted sum of V rows
+    std::vector<float> scores(group * max_len);    // [G, L] logits, then probabilities
+    std::vector<float> row(head_dim);              // [D] a widened bf16 K or V row
+    std::vector<float> inv_sum(group);             // [G] 1 / softmax normaliser
+
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / num_kv_heads;
+      const int64_t h = task % num_kv_heads;
+      const int64_t len = lens[b];
+      const int64_t* row_blocks = table + b * max_blocks;
+
+      // Queries of this KV head's group, scaled once here instead of once per score.
+      for (int64_t g = 0; g < group; ++g) {
+        const scalar_t* src = q_data + b * q_row_stride + (h * group + g) * q_head_stride;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          q[g * head_dim + d] = static_cast<float>(src[d]) * fscale;
+        }
+      }
+
+      // Pass 1: logits of every position, block by block, reading only positions < len.
+      for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t block = row_blocks[start / block_size];
+        TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
+        const int64_t count = std::min(block_size, len - start);
+        const scalar_t* k_block = k_data + block * block_stride + h * head_dim;
+        for (int64_t t = 0; t < count; ++t) {
+          const float* k = as_float(k_block + t * token_stride, row.data(), head_dim);
+          for (int64_t g = 0; g < group; ++g) {
+            scores[g * len + start + t] = dot(&q[g * head_dim], k, head_dim);
+          }
+        }
+      }
+
+      // Softmax per query head; the normaliser is applied to the output at the end.
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = &scores[g * len];
+        float max_score = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) {
+          max_score = std::max(max_score, s[t]);
+        }
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = std::exp(s[t] - max_score);
+          sum += s[t];
+        }
+        inv_sum[g] = 1.f / sum;
+      }
+
+      // Pass 2: probability-weighted sum of V rows.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t block = row_blocks[start / block_size];
+        const int64_t count = std::min(block_size, len - start);
+        const scalar_t* v_block = v_data + block * block_stride + h * head_dim;
+        for (int64_t t = 0; t < count; ++t) {
+          const float* v = as_float(v_block + t * token_stride, row.data(), head_dim);
+          for (int64_t g = 0; g < group; ++g) {
+            axpy(&acc[g * head_dim], scores[g * len + start + t], v, head_dim);
+          }
+        }
+      }
+
+      for (int64_t g = 0; g < group; ++g) {
+        scalar_t* dst = out_data + (b * num_q_heads + h * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          store(acc[g * head_dim + d] * inv_sum[g], &dst[d]);
+        }
+      }
+    }
+  });
+}
+
+// Host wrapper: validate everything the kernel relies on, then dispatch on dtype.
+at::Tensor paged_decode_attention(
+    const at::Tensor& query,         // [B, Hq, D]
+    const at::Tensor& k_cache,       // [num_blocks, bs, Hkv, D]
+    const at::Tensor& v_cache,       // [num_blocks, bs, Hkv, D]
+    const at::Tensor& block_table,   // [B, max_blocks] int64
+    const at::Tensor& context_lens,  // [B] int64
+    double scale) {
+  for (const at::Tensor* t : {&query, &k_cache, &v_cache, &block_table, &context_lens}) {
+    TORCH_CHECK(t->device().is_cpu(), "paged_decode_attention: all tensors must be on the CPU");
+  }
+  TORCH_CHECK(query.dim() == 3, "query must be [B, Hq, D], got ", query.sizes());
+  TORCH_CHECK(k_cache.dim() == 4, "k_cache must be [blocks, block_size, Hkv, D]");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
+  TORCH_CHECK(
+      query.scalar_type() == k_cache.scalar_type() && query.scalar_type() == v_cache.scalar_type(),
+      "query, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(
+      query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
+      "paged_decode_attention supports float32 and bfloat16, got ", query.scalar_type());
+  TORCH_CHECK(query.size(2) == k_cache.size(3), "query and cache head_dim differ");
+  TORCH_CHECK(
+      k_cache.size(2) > 0 && query.size(1) % k_cache.size(2) == 0,
+      "query heads must be a multiple of KV heads");
+  TORCH_CHECK(query.stride(2) == 1, "query's head_dim must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(
+      block_table.scalar_type() == at::kLong && block_table.dim() == 2 &&
+          block_table.is_contiguous() && block_table.size(0) == query.size(0),
+      "block_table must be a contiguous [B, max_blocks] int64 tensor");
+  TORCH_CHECK(
+      context_lens.scalar_type() == at::kLong && context_lens.dim() == 1 &&
+          context_lens.is_contiguous() && context_lens.size(0) == query.size(0),
+      "context_lens must be a contiguous [B] int64 tensor");
+
+  // Lengths are checked here, once, so the kernel never reads past a row's block table.
+  const int64_t capacity = block_table.size(1) * k_cache.size(1);
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < query.size(0); ++b) {
+    TORCH_CHECK(
+        lens[b] >= 1 && lens[b] <= capacity, "context_lens[", b, "] = ", lens[b],
+        " is outside [1, ", capacity, "]");
+  }
+
+  at::Tensor out = at::empty(query.sizes(), query.options());  // [B, Hq, D] contiguous
+  if (query.numel() == 0) {
+    return out;
+  }
+  if (query.scalar_type() == at::kFloat) {
+    decode_attention_kernel<float>(query, k_cache, v_cache, block_table, context_lens, scale, out);
+  } else {
+    decode_attention_kernel<c10::BFloat16>(
+        query, k_cache, v_cache, block_table, context_lens, scale, out);
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace corefleet
+
+TORCH_LIBRARY(corefleet_cpu, m) {
+  m.def(
+      "paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_table, Tensor context_lens, float scale) -> Tensor",
+      &corefleet::paged_decode_attention);
+}

@@ -1,0 +1,210 @@
+"""The C++ CPU decode attention against the torch reference (the oracle)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from corefleet.kernels import reference
+from corefleet.kernels.backend import TorchReferenceBackend, select_attention_backend
+from corefleet.kernels.metadata import AttentionMetadata, PrefillSpan
+
+cpu_attention = pytest.importorskip("corefleet.kernels.cpu_attention")
+
+try:
+    cpu_attention.load_cpu_attention_op()
+except Exception as exc:  # no ninja / compiler on this machine: nothing to test
+    pytest.skip(f"C++ CPU attention op cannot be built here: {exc}", allow_module_level=True)
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _paged_batch(
+    lens: list[int],
+    block_size: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    spare_blocks: int = 3,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random decode rows over a shuffled paged cache.
+
+    Returns query [B, Hq, D], k_cache / v_cache [num_blocks, bs, Hkv, D], block_table
+    [B, max_blocks] int64 (ids past a row's last block are 0, the null block) and the
+    reference mask [B, 1, 1, max_blocks * bs] bool.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_row = [math.ceil(n / block_size) for n in lens]
+    max_blocks = max(blocks_per_row)
+    num_blocks = 1 + sum(blocks_per_row) + spare_blocks  # block 0 is the null block
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    k_cache[0] = 0
+    v_cache[0] = 0
+    # Rows own blocks scattered in random order over the cache, as after much churn.
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    block_table = torch.zeros(len(lens), max_blocks, dtype=torch.int64)  # [B, nb]
+    for row, count in enumerate(blocks_per_row):
+        block_table[row, :count] = torch.tensor([ids.pop() for _ in range(count)])
+    positions = torch.arange(max_blocks * block_size)  # [nb * bs]
+    mask = positions[None, :] < torch.tensor(lens)[:, None]  # [B, nb * bs]
+    query = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    return query, k_cache, v_cache, block_table, mask[:, None, None, :]
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert actual.dtype == expected.dtype == dtype
+    assert actual.shape == expected.shape
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_kv_heads,group", [(4, 1), (3, 3), (2, 4)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_matches_reference(
+    dtype: torch.dtype, head_dim: int, num_kv_heads: int, group: int, block_size: int
+) -> None:
+    # Length 1, partial blocks, exactly full blocks (bs, 2bs) and one row much longer than
+    # the rest, all in one batch.
+    lens = [1, 5, block_size, 2 * block_size, block_size + 1, 300, 3 * block_size - 1, 2]
+    query, k_cache, v_cache, table, mask = _paged_batch(
+        lens, block_size, num_kv_heads, group, head_dim, dtype
+    )
+    scale = head_dim**-0.5
+    expected = reference._decode_attention(query, k_cache, v_cache, table, mask, scale)
+    actual = cpu_attention.decode_attention(
+        query, k_cache, v_cache, table, torch.tensor(lens), scale
+    )
+    _assert_close(actual, expected, dtype)
+
+
+def test_single_token_context_returns_its_value() -> None:
+    # With one visible position the softmax weight is exactly 1: the output is that V row.
+    query, k_cache, v_cache, table, _ = _paged_batch([1, 1], 16, 2, 3, 64, torch.float32)
+    out = cpu_attention.decode_attention(query, k_cache, v_cache, table, torch.tensor([1, 1]), 0.1)
+    for row in range(2):
+        v_row = v_cache[table[row, 0], 0]  # [Hkv, D]
+        torch.testing.assert_close(out[row], v_row.repeat_interleave(3, dim=0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_in_unused_cache_never_reaches_output(dtype: torch.dtype) -> None:
+    lens = [1, 7, 16, 33]
+    query, k_cache, v_cache, table, mask = _paged_batch(lens, 16, 3, 3, 64, dtype)
+    expected = reference._decode_attention(query, k_cache, v_cache, table, mask, 0.125)
+    # Poison every slot past each row's length, every block outside the tables and the null
+    # block. The reference would propagate these NaNs (0 * NaN); the kernel must never read them.
+    used = torch.zeros(k_cache.shape[:2], dtype=torch.bool)  # [num_blocks, bs]
+    for row, n in enumerate(lens):
+        for pos in range(n):
+            used[table[row, pos // 16], pos % 16] = True
+    for cache in (k_cache, v_cache):
+        cache[~used] = float("nan")
+    actual = cpu_attention.decode_attention(
+        query, k_cache, v_cache, table, torch.tensor(lens), 0.125
+    )
+    assert not torch.isnan(actual).any()
+    _assert_close(actual, expected, dtype)
+
+
+def test_rejects_length_past_block_table() -> None:
+    query, k_cache, v_cache, table, _ = _paged_batch([5, 20], 16, 2, 2, 64, torch.float32)
+    with pytest.raises(RuntimeError, match="context_lens"):
+        cpu_attention.decode_attention(query, k_cache, v_cache, table, torch.tensor([5, 33]), 1.0)
+    with pytest.raises(RuntimeError, match="dtype"):
+        cpu_attention.decode_attention(
+            query.double(), k_cache, v_cache, table, torch.tensor([5, 20]), 1.0
+        )
+
+
+def test_strided_query_rows() -> None:
+    # The model splits q out of a fused qkv projection: rows need not be contiguous.
+    lens = [3, 17, 40]
+    query, k_cache, v_cache, table, mask = _paged_batch(lens, 16, 3, 3, 64, torch.float32)
+    fused = torch.cat([query, torch.randn(3, 6, 64)], dim=1)  # [B, Hq + 6, D]
+    strided = fused[:, :9]  # [B, Hq, D] with row stride (Hq + 6) * D
+    expected = reference._decode_attention(query, k_cache, v_cache, table, mask, 0.125)
+    actual = cpu_attention.decode_attention(
+        strided, k_cache, v_cache, table, torch.tensor(lens), 0.125
+    )
+    _assert_close(actual, expected, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_mixed_decode_and_prefill_matches_reference(dtype: torch.dtype) -> None:
+    block_size, num_kv_heads, group, head_dim = 16, 3, 3, 64
+    decode_lens = [1, 16, 45, 200]
+    # Two prefill spans: one fresh prompt (nothing cached) and one chunk after a cached prefix.
+    fresh_len, chunk_len, cached_len = 9, 6, 21
+    query_d, k_cache, v_cache, table, mask = _paged_batch(
+        decode_lens, block_size, num_kv_heads, group, head_dim, dtype, spare_blocks=8
+    )
+    gen = torch.Generator().manual_seed(1)
+    num_tokens = len(decode_lens) + fresh_len + chunk_len
+    num_q_heads = num_kv_heads * group
+    query = torch.randn(num_tokens, num_q_heads, head_dim, generator=gen).to(dtype)
+    query[: len(decode_lens)] = query_d
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    # The chunked request's context: cached slots then its new tokens, in spare blocks at the
+    # end of the cache (the decode rows never use them).
+    num_blocks = k_cache.shape[0]
+    context_len = cached_len + chunk_len
+    first_slot = (num_blocks - 3) * block_size
+    slots = torch.arange(first_slot, first_slot + context_len)  # [context_len] int64
+    chunk_start = len(decode_lens) + fresh_len
+    chunk_rows = slice(chunk_start, chunk_start + chunk_len)
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    flat_k[slots[cached_len:]] = key[chunk_rows]
+    flat_v[slots[cached_len:]] = value[chunk_rows]
+    meta = AttentionMetadata(
+        num_tokens=num_tokens,
+        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),  # unused by attention
+        num_decodes=len(decode_lens),
+        decode_block_table=table,
+        decode_mask=mask,
+        prefills=[
+            PrefillSpan(len(decode_lens), fresh_len, fresh_len, None),
+            PrefillSpan(chunk_start, chunk_len, context_len, slots),
+        ],
+    )
+    backend = cpu_attention.CpuPagedAttentionBackend()
+    scale = head_dim**-0.5
+    expected = TorchReferenceBackend().paged_attention(
+        query, key, value, k_cache, v_cache, meta, scale
+    )
+    actual = backend.paged_attention(query, key, value, k_cache, v_cache, meta, scale)
+    _assert_close(actual, expected, dtype)
+    # A second layer of the same step reuses the cached lengths and agrees again.
+    again = backend.paged_attention(query, key, value, k_cache, v_cache, meta, scale)
+    _assert_close(again, expected, dtype)
+
+
+def test_selection() -> None:
+    cpu = torch.device("cpu")
+    assert select_attention_backend("auto", cpu).name == "cpu"
+    assert select_attention_backend("cpu", cpu).name == "cpu"
+    assert select_attention_backend("torch", cpu).name == "torch"
+
+
+def test_auto_falls_back_to_torch_when_build_fails(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken() -> None:
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(cpu_attention, "load_cpu_attention_op", broken)
+    with caplog.at_level("WARNING"):
+        backend = select_attention_backend("auto", torch.device("cpu"))
+    assert backend.name == "torch"
+    assert "no compiler" in caplog.text
+    with pytest.raises(RuntimeError, match="no compiler"):
+        select_attention_backend("cpu", torch.device("cpu"))
