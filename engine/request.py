@@ -80,8 +80,9 @@ class Request:
 
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher
-        if block_hasher is not None:
-            self.block_hashes.extend(block_hasher(self))
+        # Token count at which the next block fills: the hasher is called only then, not after
+        # every token (this runs for every running request every step).
+        self._next_full_block_at = 0 if block_hasher is None else self._hash_new_blocks()
 
     @classmethod
     def from_engine_core_request(
@@ -115,8 +116,15 @@ class Request:
         """Record one generated token and hash any block it completes."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        if self._block_hasher is not None:
-            self.block_hashes.extend(self._block_hasher(self))
+        if self._block_hasher is not None and len(self.all_token_ids) >= self._next_full_block_at:
+            self._next_full_block_at = self._hash_new_blocks()
+
+    def _hash_new_blocks(self) -> int:
+        """Hash every newly full block; returns the token count that fills the next one."""
+        assert self._block_hasher is not None
+        self.block_hashes.extend(self._block_hasher(self))
+        block_size = getattr(self._block_hasher, "block_size", 1)
+        return (len(self.block_hashes) + 1) * block_size
 
     def __lt__(self, other: Request) -> bool:
         """Priority order: lower ``priority`` first, then earlier arrival."""

@@ -61,4 +61,5 @@ def make_block_hasher(block_size: int) -> BlockHasher:
             start += block_size
         return new_hashes
 
+    hasher.block_size = block_size  # type: ignore[attr-defined]  # lets Request skip calls
     return hasher

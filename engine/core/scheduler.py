@@ -36,6 +36,9 @@ from corefleet.engine.protocol import (
 from corefleet.engine.request import BlockHasher, Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
+# Shared by every request that gets no new block in a step (most decode steps): consumers only
+# read it, and one shared list saves an allocation per request per step.
+_NO_BLOCKS: list[int] = []
 _STOPPED = RequestStatus.FINISHED_STOPPED
 _LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 
@@ -215,7 +218,7 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(request, num_new)
             if new_blocks is None:
                 break  # the request preempted itself: nothing more fits
-            block_ids = [b.block_id for b in new_blocks] if new_blocks else []
+            block_ids = [b.block_id for b in new_blocks] if new_blocks else _NO_BLOCKS
             scheduled.append(request.request_id, block_ids, computed)
             num_scheduled[request.request_id] = num_new
             request.num_computed_tokens = computed + num_new

@@ -96,6 +96,22 @@ class InputBatch:
             ).ravel()
             self.num_blocks[row] = start + len(ids)
 
+    def append_blocks_to_rows(self, rows: list[int], block_ids: list[list[int]]) -> None:
+        """``append_blocks`` for many rows; one vectorised write when each gets one block (the
+        decode case: a request crosses into a new block every ``block_size`` tokens)."""
+        if any(len(ids) != 1 for ids in block_ids):
+            for row, ids in zip(rows, block_ids, strict=True):
+                self.append_blocks(row, ids)
+            return
+        row_arr = np.asarray(rows, dtype=np.int64)  # [R]
+        new_ids = np.asarray(block_ids, dtype=np.int64)[:, 0]  # [R]
+        starts = self.num_blocks[row_arr]  # [R]
+        self.block_table[row_arr, starts] = new_ids
+        bs = self.block_size
+        columns = starts[:, None] * bs + self._block_offsets  # [R, bs]
+        self.slot_table[row_arr[:, None], columns] = new_ids[:, None] * bs + self._block_offsets
+        self.num_blocks[row_arr] = starts + 1
+
     def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Append one sampled token to each of ``rows`` (distinct rows)."""
         self.token_ids[rows, self.num_tokens[rows]] = token_ids

@@ -177,9 +177,12 @@ class ModelRunner:
             )
         requests = self.batch.requests
         cached = so.scheduled_cached_reqs
-        for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
-            if new_block_ids:
-                self.batch.append_blocks(requests[req_id].row, new_block_ids)
+        # Most decode steps give most requests no new block: filter in one comprehension.
+        grown = [(r, b) for r, b in zip(cached.req_ids, cached.new_block_ids, strict=True) if b]
+        if grown:
+            self.batch.append_blocks_to_rows(
+                [requests[r].row for r, _ in grown], [b for _, b in grown]
+            )
 
     def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
         nd = inputs.num_decodes
