@@ -300,7 +300,8 @@ void decode_attention_kernel(
         const int64_t count = std::min(block_size, len - start);
         const scalar_t* v_block = v_data + block * block_stride + h * head_dim;
         for (int64_t t = 0; t < count; ++t) {
-          accumulate_row(v_block + t * token_stride, &scores[start + t], len, group, head_dim, acc.data());
+          accumulate_row(
+              v_block + t * token_stride, &scores[start + t], len, group, head_dim, acc.data());
         }
       }
 

@@ -65,7 +65,7 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dty
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize("num_kv_heads,group", [(4, 1), (3, 3), (2, 4)])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_matches_reference(
