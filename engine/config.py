@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-AttentionBackendName = Literal["auto", "torch", "triton", "flash-attn"]
+AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash-attn"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 GiB = 1 << 30
@@ -118,10 +118,10 @@ class DeviceConfig:
 
     def __post_init__(self) -> None:
         _require(
-            self.attention_backend in ("auto", "torch", "triton", "flash-attn"),
+            self.attention_backend in ("auto", "torch", "cpu", "triton", "flash-attn"),
             "attention_backend",
             self.attention_backend,
-            "must be auto, torch, triton or flash-attn",
+            "must be auto, torch, cpu, triton or flash-attn",
         )
 
 

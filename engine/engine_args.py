@@ -80,8 +80,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--attention-backend",
         default="auto",
-        choices=["auto", "torch", "triton", "flash-attn"],
-        help="paged attention implementation (auto picks the best available)",
+        choices=["auto", "torch", "cpu", "triton", "flash-attn"],
+        help="paged attention implementation: auto picks the best available (the C++ CPU kernel "
+        "on CPU, falling back to the torch reference if it cannot be built)",
     )
     g.add_argument("--seed", type=int, default=0, help="seed for weights-free randomness")
 

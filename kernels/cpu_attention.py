@@ -13,6 +13,7 @@ are needed) and cached twice: once per process here, and across processes by tor
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import platform
@@ -103,11 +104,6 @@ class CpuPagedAttentionBackend:
         # Compile now, so a broken toolchain surfaces at start-up (where the selector can
         # fall back) rather than in the first forward pass.
         load_cpu_attention_op()
-        # Every layer of a step shares one metadata object; the decode lengths are derived
-        # from its mask once and reused until the mask changes. Holding the mask keeps it
-        # alive, so identity cannot be confused with a recycled tensor.
-        self._lens_for: torch.Tensor | None = None  # [Bd, 1, 1, nb * bs] bool
-        self._lens: torch.Tensor | None = None  # [Bd] int64
 
     @property
     def name(self) -> str:
@@ -137,14 +133,24 @@ class CpuPagedAttentionBackend:
         """Causal attention of every new token; same contract as ``reference.paged_attention``."""
         out = torch.empty_like(query)  # [T, Hq, D]
         nd = meta.num_decodes
-        if nd:
-            assert meta.decode_block_table is not None and meta.decode_mask is not None
+        if nd and query.shape[2] % 16 == 0:  # the kernel's AVX-512 path needs D % 16 == 0
+            assert meta.decode_block_table is not None and meta.decode_context_lens is not None
             out[:nd] = decode_attention(
                 query[:nd],
                 k_cache,
                 v_cache,
                 meta.decode_block_table,
-                self._decode_lens(meta.decode_mask),
+                meta.decode_context_lens,
+                scale,
+            )
+        elif nd:
+            out[:nd] = reference.paged_attention(
+                query[:nd],
+                key[:nd],
+                value[:nd],
+                k_cache,
+                v_cache,
+                dataclasses.replace(meta, num_tokens=nd, prefills=[]),
                 scale,
             )
         if meta.prefills:
@@ -157,12 +163,3 @@ class CpuPagedAttentionBackend:
                     query[rows], key[rows], value[rows], flat_k, flat_v, span, scale
                 )
         return out
-
-    def _decode_lens(self, mask: torch.Tensor) -> torch.Tensor:  # [Bd] int64
-        # The mask is true exactly on positions < the row's context length, so its row sum is
-        # that length. TODO: a ``decode_context_lens`` field in AttentionMetadata would let the
-        # runner hand these over directly.
-        if mask is not self._lens_for or self._lens is None:
-            self._lens = mask.reshape(mask.shape[0], -1).sum(-1)  # [Bd] int64
-            self._lens_for = mask
-        return self._lens

@@ -33,6 +33,7 @@ class AttentionMetadata:
     # block), and the mask hides every position at or past the row's context length.
     decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks] int64
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_context_lens: torch.Tensor | None  # [num_decodes] int64, cached + the new token
     prefills: list[PrefillSpan]
     # For backends that take block tables directly (Triton, flash-attn); the torch path uses
     # the precomputed slots above.

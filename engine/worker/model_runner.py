@@ -117,6 +117,7 @@ class ModelRunner:
             num_decodes=0,
             decode_block_table=None,
             decode_mask=None,
+            decode_context_lens=None,
             prefills=[PrefillSpan(0, num_tokens, num_tokens, None)],
         )
         hidden = self.model(ids, positions, self.kv_caches, meta)
@@ -186,11 +187,12 @@ class ModelRunner:
 
     def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
         nd = inputs.num_decodes
-        decode_blocks = decode_mask = None
+        decode_blocks = decode_mask = decode_lens = None
         if nd:
             blocks, inside = self.batch.decode_blocks(inputs.rows[:nd], inputs.context_lens[:nd])
             decode_blocks = self._to_device(blocks)  # [Bd, nb]
             decode_mask = self._to_device(inside)[:, None, None, :]  # [Bd, 1, 1, nb * bs]
+            decode_lens = self._to_device(inputs.context_lens[:nd])  # [Bd]
         prefills = []
         token_start = nd
         for i in range(nd, len(inputs.req_ids)):
@@ -209,6 +211,7 @@ class ModelRunner:
             num_decodes=nd,
             decode_block_table=decode_blocks,
             decode_mask=decode_mask,
+            decode_context_lens=decode_lens,
             prefills=prefills,
         )
 

@@ -171,6 +171,7 @@ def test_backend_mixed_decode_and_prefill_matches_reference(dtype: torch.dtype) 
         num_decodes=len(decode_lens),
         decode_block_table=table,
         decode_mask=mask,
+        decode_context_lens=mask.reshape(len(decode_lens), -1).sum(-1),
         prefills=[
             PrefillSpan(len(decode_lens), fresh_len, fresh_len, None),
             PrefillSpan(chunk_start, chunk_len, context_len, slots),
@@ -183,9 +184,6 @@ def test_backend_mixed_decode_and_prefill_matches_reference(dtype: torch.dtype) 
     )
     actual = backend.paged_attention(query, key, value, k_cache, v_cache, meta, scale)
     _assert_close(actual, expected, dtype)
-    # A second layer of the same step reuses the cached lengths and agrees again.
-    again = backend.paged_attention(query, key, value, k_cache, v_cache, meta, scale)
-    _assert_close(again, expected, dtype)
 
 
 def test_selection() -> None:
