@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from corefleet.engine import envs
 from corefleet.engine.engine_args import add_engine_args, engine_kwargs_from_args
+from corefleet.engine.protocol import SamplingParams
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -75,9 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1
 
 
-def _params(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from corefleet.engine.protocol import SamplingParams
-
+def _params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import time
@@ -123,4 +122,4 @@ def _resolve_max_model_len(config: EngineConfig, model_limit: int) -> EngineConf
             f"invalid engine argument max_model_len={requested}: the model supports at most "
             f"{model_limit} positions"
         )
-    return dataclasses.replace(config)
+    return config
