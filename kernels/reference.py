@@ -136,24 +136,45 @@ def rms_norm(
     return weight * normed, residual_out
 
 
+def rotary_cos_sin(
+    positions: torch.Tensor,  # [T] int64
+    cos_sin_cache: torch.Tensor,  # [max_pos, D] float32: cos in [:, :D/2], sin in [:, D/2:]
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [T, 1, D] in ``dtype``
+    """The rotation of each token's position, computed once per step and shared by every
+    layer (GPT-NeoX "rotate half" layout, as HF Llama: both halves use the same angles)."""
+    half = cos_sin_cache.shape[1] // 2
+    cos_sin = cos_sin_cache.index_select(0, positions)  # [T, D]
+    cos = cos_sin[:, :half].repeat(1, 2).unsqueeze(1).to(dtype)  # [T, 1, D]
+    sin = cos_sin[:, half:].repeat(1, 2).unsqueeze(1).to(dtype)  # [T, 1, D]
+    return cos, sin
+
+
+def apply_rotary(
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    cos: torch.Tensor,  # [T, 1, D]
+    sin: torch.Tensor,  # [T, 1, D]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate query and key by their positions' angles."""
+    return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
 def rotary_embedding(
     positions: torch.Tensor,  # [T] int64
     query: torch.Tensor,  # [T, Hq, D]
     key: torch.Tensor,  # [T, Hkv, D]
-    cos_sin_cache: torch.Tensor,  # [max_pos, D] float32: cos in [:, :D/2], sin in [:, D/2:]
+    cos_sin_cache: torch.Tensor,  # [max_pos, D] float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate query and key by their positions (GPT-NeoX "rotate half" layout, as HF Llama)."""
-    half = cos_sin_cache.shape[1] // 2
-    cos_sin = cos_sin_cache.index_select(0, positions)  # [T, D]
-    cos = cos_sin[:, :half].repeat(1, 2).unsqueeze(1)  # [T, 1, D]
-    sin = cos_sin[:, half:].repeat(1, 2).unsqueeze(1)  # [T, 1, D]
-    return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    """Rotate query and key by their positions: ``rotary_cos_sin`` then ``apply_rotary``."""
+    cos, sin = rotary_cos_sin(positions, cos_sin_cache, query.dtype)
+    return apply_rotary(query, key, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype)).to(x.dtype)
+    return x * cos + rotated * sin
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]

@@ -54,7 +54,7 @@ class LlamaAttention(nn.Module):
         hidden: torch.Tensor,  # [T, H]
         kv_cache: KVCache,
         meta: AttentionMetadata,
-        cos_sin_cache: torch.Tensor,  # [P, D]
+        rotary: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D]
     ) -> torch.Tensor:  # [T, H]
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q + 2kv]
@@ -62,7 +62,7 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = reference.rotary_embedding(positions, q, k, cos_sin_cache)
+        q, k = reference.apply_rotary(q, k, *rotary)
         k_cache, v_cache = kv_cache
         self.backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.backend.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
@@ -94,10 +94,10 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-        cos_sin_cache: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta, cos_sin_cache)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta, rotary)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -129,8 +129,9 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         cos_sin_cache: torch.Tensor = self.cos_sin_cache  # type: ignore[assignment]
+        rotary = reference.rotary_cos_sin(positions, cos_sin_cache, hidden.dtype)  # per step
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, cos_sin_cache)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, rotary)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
