@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml requirements-smollm2.txt
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/corefleet generate --prompt "$${PROMPT:-Write a haiku about Kubernetes.}" --max-tokens 64
+	$(VENV)/bin/corefleet generate --chat --prompt "$${PROMPT:-What is Kubernetes? Answer in two sentences.}" --max-tokens 64
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
