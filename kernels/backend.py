@@ -1,7 +1,7 @@
-"""The one place the attention implementation is chosen (once, at start-up).
+"""The one place the kernel implementations are chosen (once, at start-up).
 
-The model code calls ``backend.write_kv_cache`` and ``backend.paged_attention`` and never
-branches on which backend it got.
+The model code calls ``backend.linear``, ``backend.write_kv_cache`` and
+``backend.paged_attention`` and never branches on which backend it got.
 """
 
 from __future__ import annotations
@@ -19,10 +19,14 @@ logger = logging.getLogger(__name__)
 
 
 class AttentionBackend(Protocol):
-    """What a paged-attention implementation provides."""
+    """What a kernel backend provides: paged attention and the linear layers' matmul."""
 
     @property
     def name(self) -> str: ...
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor: ...
 
     def write_kv_cache(
         self,
@@ -50,6 +54,14 @@ class TorchReferenceBackend:
     """The readable torch implementation; the CPU path."""
 
     name: str = "torch"
+
+    def linear(
+        self,
+        x: torch.Tensor,  # [T, K]
+        weight: torch.Tensor,  # [N, K]
+        bias: torch.Tensor | None,  # [N]
+    ) -> torch.Tensor:  # [T, N]
+        return torch.nn.functional.linear(x, weight, bias)
 
     def write_kv_cache(
         self,

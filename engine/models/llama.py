@@ -33,6 +33,19 @@ class RMSNorm(nn.Module):
         return reference.rms_norm(x, self.weight, self.eps, residual)
 
 
+class BackendLinear(nn.Linear):
+    """``nn.Linear`` (same parameters and names) whose matmul is the kernel backend's."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, backend: AttentionBackend
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        return self.backend.linear(x, self.weight, self.bias)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -42,10 +55,10 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        self.qkv_proj = BackendLinear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, backend
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = BackendLinear(self.q_size, cfg.hidden_size, False, backend)
         self.backend = backend
 
     def forward(
@@ -70,10 +83,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = BackendLinear(
+            cfg.hidden_size, 2 * cfg.intermediate_size, False, backend
+        )
+        self.down_proj = BackendLinear(cfg.intermediate_size, cfg.hidden_size, False, backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         return self.down_proj(reference.silu_and_mul(self.gate_up_proj(x)))
@@ -85,7 +100,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, backend)
 
     def forward(
         self,
@@ -113,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = BackendLinear(cfg.hidden_size, cfg.vocab_size, False, backend)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         cos_sin = build_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)

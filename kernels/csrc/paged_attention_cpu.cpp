@@ -378,7 +378,7 @@ at::Tensor paged_decode_attention(
 }  // namespace
 }  // namespace corefleet
 
-TORCH_LIBRARY(corefleet_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(corefleet_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, "
       "Tensor block_table, Tensor context_lens, float scale) -> Tensor",

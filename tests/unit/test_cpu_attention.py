@@ -199,7 +199,7 @@ def test_auto_falls_back_to_torch_when_build_fails(
     def broken() -> None:
         raise RuntimeError("no compiler")
 
-    monkeypatch.setattr(cpu_attention, "load_cpu_attention_op", broken)
+    monkeypatch.setattr(cpu_attention, "load_cpu_ops", broken)
     with caplog.at_level("WARNING"):
         backend = select_attention_backend("auto", torch.device("cpu"))
     assert backend.name == "torch"
