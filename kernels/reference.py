@@ -99,21 +99,24 @@ def _prefill_attention(
     span: PrefillSpan,
     scale: float,
 ) -> torch.Tensor:  # [Tq, Hq, D]
-    q = query.transpose(0, 1)  # [Hq, Tq, D]
+    # 4-D [1, H, T, D] inputs: for 3-D ones torch's CPU SDPA takes its unfused math path
+    # (~2x slower here); with a batch dimension it runs the fused flash kernel, GQA included.
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, Hq, Tq, D]
     if span.context_slots is None:
         # Nothing cached before this chunk: plain causal attention over the new tokens.
-        k, v = key.transpose(0, 1), value.transpose(0, 1)  # [Hkv, Tq, D]
+        k = key.transpose(0, 1).unsqueeze(0)  # [1, Hkv, Tq, D]
+        v = value.transpose(0, 1).unsqueeze(0)  # [1, Hkv, Tq, D]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        return out.transpose(0, 1)
-    k = flat_k[span.context_slots].transpose(0, 1)  # [Hkv, L, D]
-    v = flat_v[span.context_slots].transpose(0, 1)  # [Hkv, L, D]
+        return out[0].transpose(0, 1)
+    k = flat_k[span.context_slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+    v = flat_v[span.context_slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
     # Query i sits at position (L - Tq + i) and sees keys up to and including that position.
     num_new, context_len = span.num_new_tokens, span.context_len
     q_pos = torch.arange(context_len - num_new, context_len, device=query.device)
     k_pos = torch.arange(context_len, device=query.device)
     mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [Tq, L]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)  # [Tq, Hq, D]
 
 
 def rms_norm(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import numpy as np
@@ -285,15 +284,14 @@ def _cos_sin(arch: ArchConfig, max_positions: int, device: torch.device) -> torc
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed KV-cache tensor.
+    """A zeroed KV-cache tensor, every page touched now.
 
     Zeros matter: attention reads whole blocks and masks the positions past a request's
     context, and a masked position still multiplies its value by a weight of 0, which is NaN
-    if uninitialised memory happens to hold NaN. On CPU, numpy's calloc-backed zeros come
-    from fresh pages the kernel zeroes on first touch, so gigabytes cost nothing at start-up
-    (``torch.zeros`` would write every byte).
+    if uninitialised memory happens to hold NaN. On CPU the pages are written at start-up on
+    purpose (as vLLM allocates its cache): lazily zeroed pages (calloc) made the first pass
+    through the cache pay a 4 KiB page fault per page inside the KV writes of a step, ~1.3 s
+    per GiB on the project's machine against ~0.2 s per GiB for ``torch.zeros`` here, and a
+    memory limit too small for the budget now fails at start-up rather than mid-request.
     """
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    num_bytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
+    return torch.zeros(shape, dtype=dtype, device=device)
