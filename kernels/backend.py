@@ -28,6 +28,16 @@ class AttentionBackend(Protocol):
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor: ...
 
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def apply_rotary(
+        self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
     def write_kv_cache(
         self,
         key: torch.Tensor,
@@ -62,6 +72,27 @@ class TorchReferenceBackend:
         bias: torch.Tensor | None,  # [N]
     ) -> torch.Tensor:  # [T, N]
         return torch.nn.functional.linear(x, weight, bias)
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,  # [T, H]
+        weight: torch.Tensor,  # [H]
+        eps: float,
+        residual: torch.Tensor | None,  # [T, H]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # normed, new residual: [T, H]
+        return reference.rms_norm(x, weight, eps, residual)
+
+    def apply_rotary(
+        self,
+        query: torch.Tensor,  # [T, Hq, D]
+        key: torch.Tensor,  # [T, Hkv, D]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return reference.apply_rotary(query, key, cos, sin)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+        return reference.silu_and_mul(x)
 
     def write_kv_cache(
         self,

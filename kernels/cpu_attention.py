@@ -48,6 +48,7 @@ def decode_attention(
 # memory (measured on the project's 2-core AVX-512 machine: float32 27 vs 11 GB/s at one row,
 # 18 vs 10 at eight; bfloat16 19 vs 15 at one row, even at eight).
 _SMALL_LINEAR_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
+_FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what the fused layer ops are built for
 
 
 class CpuPagedAttentionBackend:
@@ -81,6 +82,39 @@ class CpuPagedAttentionBackend:
             out: torch.Tensor = self._ops.small_linear(x, weight, bias)
             return out
         return torch.nn.functional.linear(x, weight, bias)
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,  # [T, H]
+        weight: torch.Tensor,  # [H]
+        eps: float,
+        residual: torch.Tensor | None,  # [T, H]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # normed, new residual: [T, H]
+        """Residual add and RMSNorm in one pass (``reference.rms_norm``'s contract)."""
+        if x.dtype not in _FUSED_DTYPES or weight.dtype != x.dtype:
+            return reference.rms_norm(x, weight, eps, residual)
+        normed, new_residual = self._ops.rms_norm(x.contiguous(), residual, weight, eps)
+        return normed, new_residual
+
+    def apply_rotary(
+        self,
+        query: torch.Tensor,  # [T, Hq, D], heads contiguous (a view into the fused qkv)
+        key: torch.Tensor,  # [T, Hkv, D]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotates query and key **in place** (they are fresh projections) and returns them."""
+        if query.dtype not in _FUSED_DTYPES:
+            return reference.apply_rotary(query, key, cos, sin)
+        self._ops.rotary_(query, key, cos, sin)
+        return query, key
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+        """silu(gate) * up in one pass over the fused gate/up projection."""
+        if x.dtype not in _FUSED_DTYPES:
+            return reference.silu_and_mul(x)
+        out: torch.Tensor = self._ops.silu_and_mul(x.contiguous())
+        return out
 
     def write_kv_cache(
         self,

@@ -22,15 +22,18 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: k, v [num_blocks, bs, 
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, backend: AttentionBackend) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.backend = backend
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return reference.rms_norm(x, self.weight, self.eps, residual)
+        self,
+        x: torch.Tensor,  # [T, H]
+        residual: torch.Tensor | None = None,  # [T, H]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # normed, new residual
+        return self.backend.rms_norm(x, self.weight, self.eps, residual)
 
 
 class BackendLinear(nn.Linear):
@@ -75,7 +78,7 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = reference.apply_rotary(q, k, *rotary)
+        q, k = self.backend.apply_rotary(q, k, *rotary)
         k_cache, v_cache = kv_cache
         self.backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.backend.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
@@ -89,17 +92,18 @@ class LlamaMLP(nn.Module):
             cfg.hidden_size, 2 * cfg.intermediate_size, False, backend
         )
         self.down_proj = BackendLinear(cfg.intermediate_size, cfg.hidden_size, False, backend)
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down_proj(reference.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ArchConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.self_attn = LlamaAttention(cfg, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.mlp = LlamaMLP(cfg, backend)
 
     def forward(
@@ -127,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.lm_head = BackendLinear(cfg.hidden_size, cfg.vocab_size, False, backend)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
