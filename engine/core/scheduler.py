@@ -186,12 +186,31 @@ class Scheduler:
         max_model_len = self.max_model_len
         token_budget = self.max_num_scheduled_tokens
         scheduled = CachedRequestData()
+        # Bound methods and locals: this loop runs for every running request every step.
+        add_id, add_blocks = scheduled.req_ids.append, scheduled.new_block_ids.append
+        add_computed = scheduled.num_computed_tokens.append
+        req_to_blocks, block_size = kv.req_to_blocks, kv.block_size
         preempted = False
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
+            req_id = request.request_id
             computed = request.num_computed_tokens
             num_new = len(request.all_token_ids) - computed
+            if num_new == 1 and computed + 1 < max_model_len and (computed + 1) % block_size:
+                # Decode fast path: one token that fits in the blocks the request holds and
+                # completes no block (so there is nothing to allocate or cache). 15 steps in
+                # 16 at block size 16; allocate_slots would return no blocks.
+                held = req_to_blocks.get(req_id)
+                if held is not None and computed + 1 < len(held) * block_size:
+                    add_id(req_id)
+                    add_blocks(_NO_BLOCKS)
+                    add_computed(computed)
+                    num_scheduled[req_id] = 1
+                    request.num_computed_tokens = computed + 1
+                    token_budget -= 1
+                    req_index += 1
+                    continue
             if num_new > token_budget:
                 num_new = token_budget
             if computed + num_new >= max_model_len:
@@ -218,9 +237,10 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(request, num_new)
             if new_blocks is None:
                 break  # the request preempted itself: nothing more fits
-            block_ids = [b.block_id for b in new_blocks] if new_blocks else _NO_BLOCKS
-            scheduled.append(request.request_id, block_ids, computed)
-            num_scheduled[request.request_id] = num_new
+            add_id(req_id)
+            add_blocks([b.block_id for b in new_blocks] if new_blocks else _NO_BLOCKS)
+            add_computed(computed)
+            num_scheduled[req_id] = num_new
             request.num_computed_tokens = computed + num_new
             token_budget -= num_new
             req_index += 1

@@ -57,6 +57,10 @@ class InputBatch:
         self._block_offsets = np.arange(block_size, dtype=np.int64)
         self.requests: dict[str, RequestState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        # The last decode-only step's request order and rows: consecutive decode steps of an
+        # unchanged batch reuse the rows instead of looking up every request again.
+        self._decode_ids: list[str] | None = None
+        self._decode_rows = np.zeros(0, dtype=np.int64)
 
     def add(
         self,
@@ -70,6 +74,7 @@ class InputBatch:
     ) -> None:
         if req_id in self.requests:
             self.remove(req_id)
+        self._decode_ids = None
         row = self._free_rows.pop()
         self.token_ids[row, : len(token_ids)] = token_ids
         self.num_tokens[row] = len(token_ids)
@@ -83,6 +88,7 @@ class InputBatch:
 
     def remove(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
+        self._decode_ids = None
         if state is not None:
             self._free_rows.append(state.row)
 
@@ -127,11 +133,19 @@ class InputBatch:
     def prepare(self, num_scheduled: dict[str, int]) -> StepInputs:
         """Flatten the scheduled requests: positions, token ids and cache slots of every token,
         then advance each request's computed-token count by what it computes now."""
-        decodes = [r for r, n in num_scheduled.items() if n == 1]
-        others = [r for r, n in num_scheduled.items() if n != 1]
-        req_ids = decodes + others
-        requests = self.requests
-        rows = np.fromiter((requests[r].row for r in req_ids), np.int64, len(req_ids))
+        req_ids = list(num_scheduled)
+        if sum(num_scheduled.values()) == len(req_ids):  # decode only: one token each
+            decodes, others = req_ids, []
+            if req_ids == self._decode_ids:  # the same batch as the last decode step
+                rows = self._decode_rows
+            else:
+                rows = self._rows_of(req_ids)
+                self._decode_ids, self._decode_rows = req_ids, rows
+        else:
+            decodes = [r for r, n in num_scheduled.items() if n == 1]
+            others = [r for r, n in num_scheduled.items() if n != 1]
+            req_ids = decodes + others
+            rows = self._rows_of(req_ids)
         query_lens = np.ones(len(req_ids), dtype=np.int64)
         query_lens[len(decodes) :] = [num_scheduled[r] for r in others]
         starts = self.num_computed[rows]  # [B]
@@ -159,6 +173,10 @@ class InputBatch:
             num_decodes=len(decodes),
             sample_mask=context_lens >= self.num_tokens[rows],
         )
+
+    def _rows_of(self, req_ids: list[str]) -> np.ndarray:  # [B] int64
+        requests = self.requests
+        return np.fromiter((requests[r].row for r in req_ids), np.int64, len(req_ids))
 
     def context_slots(
         self, rows: np.ndarray, context_lens: np.ndarray, max_len: int

@@ -257,3 +257,20 @@ def test_reset_prefix_cache_with_running_requests() -> None:
     assert not sched.reset_prefix_cache()
     assert sched.reset_prefix_cache(reset_running_requests=True)
     assert [r.request_id for r in sched.waiting] == ["a", "b", "c"]
+
+
+def test_decode_across_block_boundaries_allocates_and_caches_each_block() -> None:
+    """Decode tokens that stay inside a held block skip the KV manager; the token that fills a
+    block and the one that opens the next still go through it."""
+    sched = make_scheduler()
+    request = make_request(sched, "a", 14, max_tokens=40)
+    kv = sched.kv_cache_manager
+    step(sched)  # prefill: 14 tokens in one block
+    for _ in range(38):  # the 40th token (39th decode step) finishes it
+        step(sched)
+        held = len(kv.req_to_blocks["a"])
+        assert held == -(-request.num_computed_tokens // 16)  # exactly the blocks it needs
+        assert kv.num_cached_block["a"] == request.num_computed_tokens // 16  # full ones cached
+    step(sched)
+    assert request.is_finished
+    assert_no_leaks(sched)
