@@ -7,16 +7,12 @@ import math
 import pytest
 import torch
 
-from corefleet.kernels import reference
+from corefleet.kernels import cpu_attention, reference
 from corefleet.kernels.backend import TorchReferenceBackend, select_attention_backend
 from corefleet.kernels.metadata import AttentionMetadata, PrefillSpan
+from tests.cpu_ops_support import load_cpu_ops_or_skip
 
-cpu_attention = pytest.importorskip("corefleet.kernels.cpu_attention")
-
-try:
-    cpu_attention.load_cpu_attention_op()
-except Exception as exc:  # no ninja / compiler on this machine: nothing to test
-    pytest.skip(f"C++ CPU attention op cannot be built here: {exc}", allow_module_level=True)
+load_cpu_ops_or_skip()
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 

@@ -5,15 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corefleet.kernels import reference
+from corefleet.kernels import cpu_attention, reference
+from tests.cpu_ops_support import load_cpu_ops_or_skip
 
-cpu_ops = pytest.importorskip("corefleet.kernels.cpu_ops")
-cpu_attention = pytest.importorskip("corefleet.kernels.cpu_attention")
-
-try:
-    OPS = cpu_ops.load_cpu_ops()
-except Exception as exc:  # no ninja / compiler on this machine: nothing to test
-    pytest.skip(f"C++ CPU ops cannot be built here: {exc}", allow_module_level=True)
+OPS = load_cpu_ops_or_skip()
 
 DTYPES = [torch.float32, torch.bfloat16]
 # bfloat16: the fused ops round once where the reference's separate ops may round twice.

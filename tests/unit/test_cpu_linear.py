@@ -5,13 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-cpu_ops = pytest.importorskip("corefleet.kernels.cpu_ops")
-cpu_attention = pytest.importorskip("corefleet.kernels.cpu_attention")
+from corefleet.kernels import cpu_attention
+from tests.cpu_ops_support import load_cpu_ops_or_skip
 
-try:
-    OPS = cpu_ops.load_cpu_ops()
-except Exception as exc:  # no ninja / compiler on this machine: nothing to test
-    pytest.skip(f"C++ CPU ops cannot be built here: {exc}", allow_module_level=True)
+OPS = load_cpu_ops_or_skip()
 
 # float32 differs from torch's GEMM only in summation order; bfloat16 outputs are rounded once
 # from float32 sums here and by oneDNN there, so they can differ by an ulp of the output.
