@@ -20,7 +20,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = sorted(_CSRC.glob("*.cpp"))
 # -march=native: the kernels rely on AVX-512 intrinsics or auto-vectorisation where present.
 # -fopenmp: at::parallel_for is a header template; without OpenMP it silently runs serially.
 # The extension links libgomp.so.1 by soname, so it shares the pool torch already loaded.
@@ -32,10 +33,12 @@ _ops: torch._ops._OpNamespace | None = None
 
 
 def _extension_name() -> str:
-    """Build name keyed by the CPU's feature flags.
+    """Build name keyed by the CPU's feature flags and the shared headers.
 
     ``-march=native`` code must not be reused on a CPU with fewer features (for example a
-    home directory shared between machines), and torch's build cache is keyed by name.
+    home directory shared between machines), and torch's build cache is keyed by name. torch
+    rebuilds when a source changes but does not look at included headers: their content is
+    part of the name instead.
     """
     flags = platform.machine()
     try:
@@ -45,7 +48,10 @@ def _extension_name() -> str:
                 break
     except OSError:
         pass
-    return "corefleet_cpu_ops_" + hashlib.sha1(flags.encode()).hexdigest()[:10]
+    digest = hashlib.sha1(flags.encode())
+    for header in sorted(_CSRC.glob("*.h")):
+        digest.update(header.read_bytes())
+    return "corefleet_cpu_ops_" + digest.hexdigest()[:10]
 
 
 def load_cpu_ops() -> torch._ops._OpNamespace:

@@ -18,9 +18,7 @@
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec_avx512.h"
 
 #include <algorithm>
 #include <cmath>
@@ -37,43 +35,6 @@ template <typename T>
 inline T narrow(float v) {
   return static_cast<T>(v);
 }
-
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  // bf16 -> fp32 is exact: widen the 16-bit patterns and shift them into the high half.
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(c10::BFloat16* p, __m512 v) {
-  // Round to nearest even, as c10::BFloat16's constructor does for finite values.
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded =
-      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
-
-// exp(x) for float32 lanes: x = n ln2 + r, |r| <= ln2 / 2, degree-6 Taylor polynomial for
-// exp(r) (relative error < 2e-7), times 2^n via scalef; x is clamped to [-87, 88].
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
 
 // Rows per task so a task moves ~64 KB: small batches (decode) stay on one thread, where
 // waking the pool would cost more than the work.
@@ -242,7 +203,8 @@ void silu_and_mul_kernel(const at::Tensor& x, at::Tensor& out) {
       const __m512 one = _mm512_set1_ps(1.f);
       for (; i + 16 <= inner; i += 16) {
         const __m512 g = load16(gate + i);
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        const __m512 exp_neg = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_neg));
         store16(orow + i, _mm512_mul_ps(silu, load16(up + i)));
       }
 #endif

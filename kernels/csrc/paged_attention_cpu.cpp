@@ -26,9 +26,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec_avx512.h"
 
 #include <algorithm>
 #include <cmath>
@@ -95,48 +93,19 @@ inline void store(float value, c10::BFloat16* out) { *out = c10::BFloat16(value)
 // the kernel compute-bound at ~2x the cost of the memory traffic.
 constexpr int64_t kVec = 16;  // floats per __m512
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 load16(const c10::BFloat16* p) {
-  // bf16 -> fp32 is exact: widen the 16-bit patterns and shift them into the high half.
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-// exp(x) for x <= 0 (softmax logits minus their max). x = n ln2 + r with |r| <= ln2 / 2,
-// exp(r) by its degree-6 Taylor polynomial (relative error < 2e-7 there), times 2^n via
-// scalef. Inputs below -87 flush towards 0, as their weight is negligible next to the max.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // r = x - n ln2, with ln2 split in a high part exact in float and a small correction.
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // s[t] = exp(s[t] - max_score); returns the sum of the new s.
 inline float exp_shift_sum(float* s, int64_t n, float max_score) {
   const __m512 shift = _mm512_set1_ps(max_score);
   __m512 sum = _mm512_setzero_ps();
   int64_t t = 0;
   for (; t + kVec <= n; t += kVec) {
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), shift));
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), shift));
     _mm512_storeu_ps(s + t, e);
     sum = _mm512_add_ps(sum, e);
   }
   if (t < n) {  // tail: masked lanes neither load nor store nor add
     const __mmask16 m = static_cast<__mmask16>((1u << (n - t)) - 1u);
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), shift));
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), shift));
     _mm512_mask_storeu_ps(s + t, m, e);
     sum = _mm512_mask_add_ps(sum, m, sum, e);
   }

@@ -23,9 +23,7 @@
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec_avx512.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -46,14 +44,6 @@ inline void store(float value, float* out) { *out = value; }
 inline void store(float value, c10::BFloat16* out) { *out = c10::BFloat16(value); }
 
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 load16(const c10::BFloat16* p) {
-  // bf16 -> fp32 is exact: widen the 16-bit patterns and shift them into the high half.
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
 // dots[r * MM + j] = <w[r], x[j]> for R weight rows and MM float32 x rows; k % 16 == 0.
 // R and MM are template parameters so the R * MM accumulators live in registers (with a
 // runtime count GCC keeps them in memory and every FMA waits on a store); each weight vector
