@@ -1,4 +1,4 @@
-"""The ``corefleet`` command: ``generate`` and ``chat`` (offline, one process)."""
+"""The ``corefleet`` command: ``generate`` and ``chat`` (offline), ``engine-core`` (one rank)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,49 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system message")
     _sampling_args(chat)
     add_engine_args(chat)
+    _engine_core_parser(sub)
     return parser
+
+
+def _engine_core_parser(sub: argparse._SubParsersAction) -> None:
+    core = sub.add_parser(
+        "engine-core",
+        help="run one data-parallel rank: connect to a coordinator and serve it",
+        description="Run an engine core process (one data-parallel rank). It connects to the "
+        "coordinator's handshake port, loads the model, allocates the KV cache and serves "
+        "requests until SIGTERM/SIGINT, then drains or aborts (--shutdown-mode) and exits 0. "
+        "CURVE keys come from --curve-keys-dir or COREFLEET_CURVE_{SERVER,PUBLIC,SECRET}_KEY.",
+    )
+    core.add_argument(
+        "--coordinator",
+        required=True,
+        help="HOST:PORT of the coordinator's handshake socket (or a tcp:// or ipc:// address)",
+    )
+    core.add_argument("--rank", type=int, default=0, help="this data-parallel rank (0-65535)")
+    core.add_argument(
+        "--shutdown-mode",
+        choices=["drain", "abort"],
+        default="drain",
+        help="on SIGTERM: drain (finish in-flight requests, refuse new ones) or abort them all",
+    )
+    core.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a drain may take before the rest is aborted (default 30)",
+    )
+    core.add_argument(
+        "--curve-keys-dir",
+        default=None,
+        help="folder with client-public, client-secret and server-public (a mounted Secret)",
+    )
+    core.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="abort and exit when this process stops being the parent (local clients use it)",
+    )
+    add_engine_args(core)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "chat":
             return _chat(args)
+        if args.command == "engine-core":
+            return _engine_core(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"corefleet: error: {exc}", file=sys.stderr)
         return 2
@@ -107,6 +151,23 @@ def _generate(args: argparse.Namespace) -> int:
         )
     llm.shutdown()
     return 0
+
+
+def _engine_core(args: argparse.Namespace) -> int:
+    from corefleet.engine.core_proc import EngineProcConfig, run_engine_core
+    from corefleet.engine.engine_args import engine_config_from_args
+    from corefleet.engine.net import handshake_address, load_curve_keys
+
+    proc_config = EngineProcConfig(
+        handshake_address=handshake_address(args.coordinator),
+        rank=args.rank,
+        shutdown_mode=args.shutdown_mode,
+        shutdown_timeout_s=args.shutdown_timeout,
+        curve=load_curve_keys("client", args.curve_keys_dir),
+        pod_name=envs.pod_name(),
+        parent_pid=args.parent_pid,
+    )
+    return run_engine_core(engine_config_from_args(args), proc_config)
 
 
 def _chat(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ resolved once at start-up with :func:`dataclasses.replace`, never mutated in pla
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -126,6 +127,34 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is spread over devices, and which executor runs it.
+
+    ``distributed_executor_backend`` is ``uni`` (the model runner on one thread of this process)
+    or an importable ``module:Class`` with the executor interface, e.g.
+    ``corefleet.engine.worker.null_executor:NullExecutor`` to measure the engine without a model.
+    """
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
+
+    def __post_init__(self) -> None:
+        _require(
+            self.tensor_parallel_size == 1,
+            "tensor_parallel_size",
+            self.tensor_parallel_size,
+            "only 1 is supported for now (one device per rank; scale out with data parallelism)",
+        )
+        backend = self.distributed_executor_backend
+        _require(
+            backend == "uni" or (":" in backend and all(backend.split(":"))),
+            "distributed_executor_backend",
+            backend,
+            "must be uni or an importable module:Class",
+        )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an EngineCore needs; build it with :meth:`from_kwargs` from flat arguments."""
 
@@ -133,6 +162,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -149,6 +179,11 @@ class EngineConfig:
             groups[section][key] = value
         return cls(**{name: sub(**groups[name]) for name, sub in _SECTIONS.items()})
 
+    def compute_hash(self) -> str:
+        """A short digest of every setting; ranks of one fleet should all report the same."""
+        text = repr(dataclasses.asdict(self)).encode()
+        return hashlib.sha256(text).hexdigest()[:16]
+
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         return dataclasses.replace(
             self, model=dataclasses.replace(self.model, max_model_len=max_model_len)
@@ -160,6 +195,7 @@ _SECTIONS: dict[str, type] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "device": DeviceConfig,
+    "parallel": ParallelConfig,
 }
 _FIELD_TO_SECTION = {
     f.name: section for section, sub in _SECTIONS.items() for f in dataclasses.fields(sub)

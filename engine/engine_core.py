@@ -5,22 +5,40 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 from corefleet.engine.config import EngineConfig
 from corefleet.engine.core.block_hash import make_block_hasher
 from corefleet.engine.core.scheduler import Scheduler
 from corefleet.engine.models.loader import load_arch_config, resolve_model_path
-from corefleet.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from corefleet.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from corefleet.engine.request import Request, RequestStatus
-from corefleet.engine.worker.executor import UniProcExecutor
+from corefleet.engine.worker.executor import resolve_executor_class
 
 logger = logging.getLogger(__name__)
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+_UTILITY_MARK = "__corefleet_utility__"
+
+
+def utility(method: _Method) -> _Method:
+    """Mark a method as callable by clients (a UTILITY request); nothing else is."""
+    setattr(method, _UTILITY_MARK, True)
+    return method
+
+
+def is_utility(obj: object) -> bool:
+    return callable(obj) and getattr(obj, _UTILITY_MARK, False) is True
 
 
 class EngineCore:
     """One data-parallel rank's engine: ``step()`` = schedule -> execute -> update."""
 
-    def __init__(self, config: EngineConfig, executor_class: type = UniProcExecutor) -> None:
+    def __init__(self, config: EngineConfig, executor_class: type | None = None) -> None:
+        if executor_class is None:
+            executor_class = resolve_executor_class(config.parallel.distributed_executor_backend)
         started = time.perf_counter()
         self.model_path = resolve_model_path(config.model.model)
         arch = load_arch_config(self.model_path)
@@ -43,6 +61,7 @@ class EngineCore:
         # Aborts that arrive from other threads while the model runs; applied before the
         # step's results so a request aborted during its last step ends ABORTED, not LENGTH.
         self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
+        self._idle_waiters: list[Future[None]] = []
         logger.info(
             "engine ready in %.1f s: max_model_len=%d, %d KV blocks of %d tokens (%d tokens)",
             time.perf_counter() - started,
@@ -94,6 +113,8 @@ class EngineCore:
         model_output = future.result()
         self._process_aborts_queue()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if self._idle_waiters:
+            self.complete_idle_waiters()
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def _process_aborts_queue(self) -> None:
@@ -108,6 +129,40 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def complete_idle_waiters(self) -> None:
+        """Answer :meth:`wait_until_idle` callers once no request is left."""
+        if self._idle_waiters and not self.scheduler.has_unfinished_requests():
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    # ---- utilities (UTILITY requests) -------------------------------------------------------
+
+    @utility
+    def get_scheduler_stats(self) -> SchedulerStats:
+        """Queue lengths, KV usage and cumulative prefix-cache and preemption counters."""
+        return self.scheduler.make_stats()
+
+    @utility
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing changed) while requests hold blocks."""
+        return self.scheduler.reset_prefix_cache()
+
+    @utility
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    @utility
+    def wait_until_idle(self) -> Future[None] | None:
+        """Returns at once when idle, else a Future completed when the last request finishes
+        (over the wire the reply is deferred until then)."""
+        if not self.scheduler.has_unfinished_requests():
+            return None
+        waiter: Future[None] = Future()
+        self._idle_waiters.append(waiter)
+        return waiter
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -33,3 +33,40 @@ def pod_ip() -> str | None:
 def pod_name() -> str | None:
     """POD_NAME: the pod's name from the downward API."""
     return os.environ.get("POD_NAME") or None
+
+
+def curve_server_key() -> str | None:
+    """COREFLEET_CURVE_SERVER_KEY: on a rank, the coordinator's public CURVE key (Z85)."""
+    return os.environ.get("COREFLEET_CURVE_SERVER_KEY") or None
+
+
+def curve_public_key() -> str | None:
+    """COREFLEET_CURVE_PUBLIC_KEY: this process's own public CURVE key (Z85)."""
+    return os.environ.get("COREFLEET_CURVE_PUBLIC_KEY") or None
+
+
+def curve_secret_key() -> str | None:
+    """COREFLEET_CURVE_SECRET_KEY: this process's own secret CURVE key (Z85)."""
+    return os.environ.get("COREFLEET_CURVE_SECRET_KEY") or None
+
+
+def curve_client_key() -> str | None:
+    """COREFLEET_CURVE_CLIENT_KEY: on the coordinator, the one rank public key it accepts."""
+    return os.environ.get("COREFLEET_CURVE_CLIENT_KEY") or None
+
+
+def engine_heartbeat_timeout_s() -> float:
+    """COREFLEET_ENGINE_HEARTBEAT_TIMEOUT_S: silence after which a client declares its engine
+    dead (default 10; engines send stats at least every 0.5 s)."""
+    raw = os.environ.get("COREFLEET_ENGINE_HEARTBEAT_TIMEOUT_S")
+    if not raw:
+        return 10.0
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ValueError(
+            f"environment variable COREFLEET_ENGINE_HEARTBEAT_TIMEOUT_S={raw!r} is not a number"
+        ) from exc
+    if value <= 0:
+        raise ValueError("COREFLEET_ENGINE_HEARTBEAT_TIMEOUT_S must be positive")
+    return value

@@ -8,8 +8,15 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 import msgspec
+
+# Bumped whenever a message changes incompatibly; a HELLO with another version is refused.
+PROTOCOL_VERSION = 1
+
+# The one frame an engine sends before it exits on a fatal error.
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 
 
 class RequestType(bytes, enum.Enum):
@@ -175,7 +182,77 @@ class UtilityOutput(msgspec.Struct, array_like=True, gc=False):
 
     call_id: int
     failure_message: str | None = None
-    result: msgspec.Raw | None = None
+    result: Any = None  # any msgpack-native value; arrays and tensors travel as aux frames
+
+
+class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """An engine's load, sent at least every 500 ms; it doubles as the engine's heartbeat."""
+
+    rank: int = 0
+    num_waiting_reqs: int = 0
+    num_running_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    prefix_cache_hit_rate: float = 0.0  # cumulative hits / queries, 0..1
+    draining: bool = False  # shutting down: send no new requests
+    step_counter: int = 0
+
+
+class ReadyResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The engine's first message on its input socket: what it can serve.
+
+    It must come first because a ROUTER cannot address a DEALER until the DEALER has spoken.
+    """
+
+    rank: int
+    max_model_len: int
+    num_gpu_blocks: int  # KV blocks, the reserved block 0 included (on CPU too)
+    block_size: int
+    kv_cache_size_tokens: int
+    vocab_size: int
+    model_name: str
+    pid: int = 0
+
+
+class Hello(msgspec.Struct, tag="hello", omit_defaults=True, gc=False):
+    """Engine -> handshake server: a rank is up and wants its addresses."""
+
+    rank: int
+    protocol_version: int
+    pod_name: str = ""
+    pid: int = 0
+    config_hash: str = ""  # of the engine arguments; lets a server spot mismatched ranks
+
+
+class Init(msgspec.Struct, tag="init", omit_defaults=True, gc=False):
+    """Handshake server -> engine: where to connect for requests and outputs."""
+
+    input_address: str
+    output_address: str
+    engine_index: int
+
+
+class Ready(msgspec.Struct, tag="ready", omit_defaults=True, gc=False):
+    """Engine -> handshake server: loaded, KV cache allocated, warmed up, ReadyResponse sent."""
+
+    rank: int
+
+
+class Refused(msgspec.Struct, tag="refused", gc=False):
+    """Handshake server -> engine: the HELLO was not accepted (the engine exits non-zero)."""
+
+    reason: str
+
+
+HandshakeMessage = Hello | Init | Ready | Refused
+
+
+class UtilityCall(msgspec.Struct, array_like=True, gc=False):
+    """Payload of a UTILITY frame: call ``method(*args)`` on the engine."""
+
+    client_index: int
+    call_id: int
+    method: str
+    args: list[Any] = msgspec.field(default_factory=list)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -187,6 +264,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     timestamp: float = 0.0
     utility_output: UtilityOutput | None = None
     finished_requests: list[str] | None = None
+    engine_stats: EngineStats | None = None
 
     def __post_init__(self) -> None:
         if self.timestamp == 0.0:

@@ -6,34 +6,41 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 from tqdm import tqdm
 
+from corefleet.engine.client import EngineCoreClient, make_client
 from corefleet.engine.config import EngineConfig
-from corefleet.engine.engine_core import EngineCore
 from corefleet.engine.frontend.input_processor import InputProcessor, PromptType
 from corefleet.engine.frontend.output_processor import OutputProcessor
 from corefleet.engine.frontend.outputs import RequestOutput
-from corefleet.engine.protocol import SamplingParams
+from corefleet.engine.models.loader import resolve_model_path
+from corefleet.engine.protocol import SamplingParams, SchedulerStats
 from corefleet.engine.tokenizer import Tokenizer
 
 ChatMessages = list[dict[str, str]]
 
 
 class LLM:
-    """Batch generation with an engine in this process.
+    """Batch generation, with the engine in a child process (default) or in this one.
 
     ``model`` is a Hugging Face folder, a GGUF file, or ``None`` for the embedded
     SmolLM2-135M-Instruct; other keyword arguments are engine arguments with vLLM's names
     (``dtype``, ``max_model_len``, ``max_num_seqs``, ``kv_cache_memory``, ...).
+    ``multiprocess=False`` runs the engine in this process (no process hop, no isolation).
     """
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+    def __init__(
+        self, model: str | None = None, multiprocess: bool = True, **engine_args: Any
+    ) -> None:
         config = EngineConfig.from_kwargs(model=model, **engine_args)
-        self.engine = EngineCore(config)
-        self.tokenizer = Tokenizer.from_model_path(self.engine.model_path)
-        self.input_processor = InputProcessor(
-            self.tokenizer, self.engine.max_model_len, self.engine.vocab_size
-        )
+        model_path = resolve_model_path(config.model.model)  # fail here, clearly, if missing
+        client = make_client(config, multiprocess=multiprocess)
+        assert isinstance(client, EngineCoreClient)
+        self.engine_client = client
+        info = client.engine_info
+        self.tokenizer = Tokenizer.from_model_path(model_path)
+        self.input_processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -75,7 +82,7 @@ class LLM:
                 params,
             )
             for engine_request in engine_requests:
-                self.engine.add_request(engine_request)
+                self.engine_client.add_request(engine_request)
         return self._run([p[0] for p in pending], use_tqdm)
 
     def chat(
@@ -107,14 +114,11 @@ class LLM:
         num_generated = 0
         try:
             while self.output_processor.has_unfinished():
-                outputs_by_client, _ = self.engine.step()
-                engine_outputs = outputs_by_client.get(0)
-                if engine_outputs is None:
-                    continue
+                engine_outputs = self.engine_client.get_output()
                 num_generated += sum(len(o.new_token_ids) for o in engine_outputs.outputs)
                 changed, to_abort = self.output_processor.process_outputs(engine_outputs.outputs)
                 if to_abort:
-                    self.engine.abort_requests(to_abort)
+                    self.engine_client.abort_requests(to_abort)
                 for output in changed:
                     if output.finished:
                         finished[output.request_id] = output
@@ -125,8 +129,17 @@ class LLM:
             bar.close()
         return [finished[r] for r in request_ids]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False while requests hold blocks."""
+        return bool(self.engine_client.call_utility("reset_prefix_cache"))
+
+    def get_scheduler_stats(self) -> SchedulerStats:
+        """Queue lengths, KV usage, prefix-cache and preemption counters of the engine."""
+        stats = self.engine_client.call_utility("get_scheduler_stats")
+        return msgspec.convert(stats, SchedulerStats)
+
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        self.engine_client.shutdown()
 
 
 def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -6,6 +6,7 @@ a future, a failure callback) is what a multi-process tensor-parallel executor w
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -91,3 +92,21 @@ class UniProcExecutor:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def resolve_executor_class(backend: str) -> type:
+    """``uni`` or an importable ``module:Class`` (see ``ParallelConfig``)."""
+    if backend == "uni":
+        return UniProcExecutor
+    module_name, _, class_name = backend.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+        cls = getattr(module, class_name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(
+            f"invalid engine argument distributed_executor_backend={backend!r}: cannot import "
+            f"it ({exc})"
+        ) from exc
+    if not isinstance(cls, type):
+        raise ValueError(f"distributed_executor_backend={backend!r} is not a class")
+    return cls

@@ -14,11 +14,15 @@ from tests.fixtures_models import write_tiny_llama
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
     folder = write_tiny_llama(tmp_path_factory.mktemp("tiny") / "m")
-    return LLM(str(folder), dtype="float32", kv_cache_memory=8 << 20, block_size=4)
+    # In-process: these tests reach into the EngineCore (tests/integration/test_engine_proc.py
+    # covers the same engine behind the process boundary).
+    return LLM(
+        str(folder), multiprocess=False, dtype="float32", kv_cache_memory=8 << 20, block_size=4
+    )
 
 
 def test_abort_frees_blocks(llm: LLM) -> None:
-    core = llm.engine
+    core = llm.engine_client.engine
     pool_free = core.scheduler.kv_cache_manager.num_free_blocks
     params = SamplingParams(max_tokens=100, ignore_eos=True, temperature=0.0)
     core.add_request(EngineCoreRequest("a", list(range(5, 40)), params))
@@ -62,7 +66,7 @@ def test_max_tokens_and_length_finish(llm: LLM) -> None:
 def test_bad_input_is_refused_before_anything_runs(llm: LLM, prompt, params, message) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=message):
         llm.generate(["fine prompt", prompt], params, use_tqdm=False)
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine_client.engine.has_unfinished_requests()
     # The engine keeps serving.
     ok = llm.generate("hello", SamplingParams(max_tokens=3), use_tqdm=False)[0]
     assert len(ok.outputs[0].token_ids) == 3
@@ -70,8 +74,9 @@ def test_bad_input_is_refused_before_anything_runs(llm: LLM, prompt, params, mes
 
 def test_engine_refuses_a_too_long_prompt_itself(llm: LLM) -> None:
     with pytest.raises(ValueError, match="max_model_len"):
-        llm.engine.add_request(EngineCoreRequest("long", list(range(5, 300)), SamplingParams()))
-    assert not llm.engine.has_unfinished_requests()
+        request = EngineCoreRequest("long", list(range(5, 300)), SamplingParams())
+        llm.engine_client.engine.add_request(request)
+    assert not llm.engine_client.engine.has_unfinished_requests()
 
 
 def test_unknown_model_path_is_a_clear_error(tmp_path: Path) -> None:
@@ -107,7 +112,7 @@ def test_stop_string_truncates_and_aborts(llm: LLM) -> None:
     )[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == full.text[: full.text.index(stop)]
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine_client.engine.has_unfinished_requests()
 
 
 def test_logprobs_are_reported(llm: LLM) -> None:

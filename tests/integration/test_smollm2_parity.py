@@ -68,19 +68,20 @@ def test_chunked_prefill_and_preemption_change_nothing(prompt_ids, hf_outputs) -
         enable_prefix_caching=False,
     )
     assert _generate(small, prompt_ids) == hf_outputs
-    assert small.engine.scheduler.make_stats().num_preemptions > 0
+    assert small.get_scheduler_stats().num_preemptions > 0
+    small.shutdown()
 
 
 def test_prefix_cache_hits_and_changes_no_output(llm: LLM, prompt_ids, hf_outputs) -> None:  # type: ignore[no-untyped-def]
     long_prompt = prompt_ids[8]  # > 3 blocks of 16 tokens
-    assert llm.engine.scheduler.reset_prefix_cache()  # no request holds blocks between calls
+    assert llm.reset_prefix_cache()  # no request holds blocks between calls
     first = llm.generate({"prompt_token_ids": long_prompt}, GREEDY, use_tqdm=False)[0]
     assert first.num_cached_tokens == 0
     again = llm.generate({"prompt_token_ids": long_prompt}, GREEDY, use_tqdm=False)[0]
     # Every full block but the one holding the last prompt token is reused.
     assert again.num_cached_tokens >= (len(long_prompt) - 1) // 16 * 16 - 16
     assert again.num_cached_tokens > 0
-    stats = llm.engine.scheduler.make_stats()
+    stats = llm.get_scheduler_stats()
     assert stats.prefix_cache_hits >= again.num_cached_tokens
     assert first.outputs[0].token_ids == hf_outputs[8]
     assert again.outputs[0].token_ids == hf_outputs[8]

@@ -1,0 +1,244 @@
+"""The two socket threads of an engine process: requests in, outputs out.
+
+Both keep ZMQ work (and msgpack decoding and encoding) off the busy loop's thread; they talk to
+it only through queues. The input thread never lets a bad frame through and never dies of one:
+garbage, an unknown type byte or a message with wrong fields is counted, logged at most once a
+second, and dropped; a well-formed ADD the engine cannot serve becomes an ``error`` output for
+that request.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+
+from corefleet.engine.net import CurveKeys, make_socket
+from corefleet.engine.protocol import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStats,
+    FinishReason,
+    ReadyResponse,
+    RequestType,
+    UtilityCall,
+    UtilityOutput,
+)
+from corefleet.engine.request import Request
+from corefleet.engine.serial import MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger(__name__)
+
+# What the busy loop receives: (type, payload); payload is a Request, a list of ids, a
+# UtilityCall, or a message (EXECUTOR_FAILED) / None (WAKEUP).
+InputItem = tuple[RequestType, Any]
+# What the output thread sends: (client index, outputs), STATS_NOW, ENGINE_CORE_DEAD, or None
+# (flush and stop).
+OutputItem = tuple[int, EngineCoreOutputs] | str | bytes | None
+STATS_NOW = "stats-now"
+
+_DECODE_ERRORS = (msgspec.MsgspecError, ValueError, TypeError)
+_POLL_MS = 100
+
+
+class InputSink(Protocol):
+    """What the input thread needs from the engine."""
+
+    input_queue: queue.Queue[InputItem]
+    aborts_queue: queue.Queue[list[str]]
+    output_queue: queue.Queue[OutputItem]
+
+    def preprocess_add_request(self, request: EngineCoreRequest) -> Request: ...
+
+
+def error_outputs(request: EngineCoreRequest | Request, reason: FinishReason, message: str) -> Any:
+    """``(client_index, EngineCoreOutputs)`` finishing one request with ``reason``."""
+    output = EngineCoreOutput(request.request_id, [], finish_reason=reason, stop_reason=message)
+    return (request.client_index, EngineCoreOutputs(outputs=[output]))
+
+
+class _DropLog:
+    """Counts dropped frames and logs at most once a second (a flood must not flood the log)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._unlogged = 0
+        self._last_log = 0.0
+
+    def drop(self, reason: str) -> None:
+        self.total += 1
+        self._unlogged += 1
+        now = time.monotonic()
+        if now - self._last_log >= 1.0:
+            logger.warning("dropped %d malformed frame(s); latest: %s", self._unlogged, reason)
+            self._unlogged, self._last_log = 0, now
+
+
+def _as_bytes(frame: zmq.Frame | bytes) -> bytes:
+    return frame.bytes if isinstance(frame, zmq.Frame) else bytes(frame)
+
+
+class InputThread(threading.Thread):
+    """Connects the input DEALER, says ReadyResponse, then decodes requests into the queues."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        address: str,
+        identity: bytes,
+        curve: CurveKeys | None,
+        ready_response: ReadyResponse,
+        engine: InputSink,
+    ) -> None:
+        super().__init__(name="corefleet-input", daemon=True)
+        self.ctx, self.address, self.identity, self.curve = ctx, address, identity, curve
+        self.ready_response = ready_response
+        self.engine = engine
+        self.ready = threading.Event()
+        self.stop_event = threading.Event()
+        self.drops = _DropLog()
+        self._add_decoder = MsgpackDecoder(EngineCoreRequest)
+        self._abort_decoder = MsgpackDecoder(list[str])
+        self._utility_decoder = MsgpackDecoder(UtilityCall)
+
+    def run(self) -> None:
+        sock = make_socket(
+            self.ctx, zmq.DEALER, self.address, bind=False, identity=self.identity, curve=self.curve
+        )
+        try:
+            sock.send_multipart(MsgpackEncoder().encode(self.ready_response))
+            self.ready.set()
+            while not self.stop_event.is_set():
+                if sock.poll(_POLL_MS):
+                    self.dispatch(sock.recv_multipart(copy=False))
+        except Exception as exc:  # a bug here: the engine can no longer hear its clients
+            logger.exception("the input thread failed")
+            self.engine.input_queue.put_nowait(
+                (RequestType.EXECUTOR_FAILED, f"the input thread failed: {exc!r}")
+            )
+        finally:
+            sock.close()
+
+    def dispatch(self, frames: Sequence[zmq.Frame | bytes]) -> None:
+        """Decode one client message and queue it; anything malformed is dropped."""
+        if len(frames) < 2:
+            self.drops.drop(f"{len(frames)} frame(s); expected a type byte and a payload")
+            return
+        kind, payload = _as_bytes(frames[0]), frames[1:]
+        try:
+            if kind == RequestType.ADD.value:
+                self._add(self._add_decoder.decode(payload))
+            elif kind == RequestType.ABORT.value:
+                ids = self._abort_decoder.decode(payload)
+                self.engine.aborts_queue.put_nowait(ids)
+                self.engine.input_queue.put_nowait((RequestType.ABORT, ids))
+            elif kind == RequestType.UTILITY.value:
+                call = self._utility_decoder.decode(payload)
+                self.engine.input_queue.put_nowait((RequestType.UTILITY, call))
+            else:  # EXECUTOR_FAILED and WAKEUP are internal: a client must not send them
+                self.drops.drop(f"unknown request type {kind[:4]!r}")
+        except _DECODE_ERRORS as exc:
+            self.drops.drop(f"undecodable {kind[:4]!r} message: {exc}")
+
+    def _add(self, request: EngineCoreRequest) -> None:
+        try:
+            prepared = self.engine.preprocess_add_request(request)
+        except Exception as exc:  # request-scoped: this request fails, the engine serves on
+            logger.info("request %r refused: %s", request.request_id, exc)
+            failed = error_outputs(request, FinishReason.ERROR, str(exc))
+            self.engine.output_queue.put_nowait(failed)
+            return
+        self.engine.input_queue.put_nowait((RequestType.ADD, prepared))
+
+
+class OutputThread(threading.Thread):
+    """Connects the output PUSH and sends outputs, plus EngineStats at least every interval.
+
+    Messages are encoded into reusable buffers and sent zero-copy; a buffer goes back to the
+    free list only when ZMQ reports it sent (its tracker is done).
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        address: str,
+        curve: CurveKeys | None,
+        output_queue: queue.Queue[OutputItem],
+        make_stats: Callable[[], EngineStats],
+        engine_index: int,
+        stats_interval_s: float = 0.5,
+        on_tick: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(name="corefleet-output", daemon=True)
+        self.ctx, self.address, self.curve = ctx, address, curve
+        self.output_queue = output_queue
+        self.make_stats = make_stats
+        self.engine_index = engine_index
+        self.stats_interval_s = stats_interval_s
+        self.on_tick = on_tick
+        self._encoder = MsgpackEncoder()
+        self._free: list[bytearray] = []
+        self._pending: deque[tuple[zmq.MessageTracker, bytearray]] = deque()
+
+    def run(self) -> None:
+        sock = make_socket(self.ctx, zmq.PUSH, self.address, bind=False, curve=self.curve)
+        sock.setsockopt(zmq.LINGER, 4000)  # flush the last outputs before the process exits
+        next_stats = 0.0
+        try:
+            while True:
+                try:
+                    item = self.output_queue.get(timeout=max(0.0, next_stats - time.monotonic()))
+                except queue.Empty:
+                    item = STATS_NOW
+                    if self.on_tick is not None:
+                        self.on_tick()
+                if item is None:
+                    return
+                if item == ENGINE_CORE_DEAD:
+                    sock.send(ENGINE_CORE_DEAD)
+                    return
+                outputs = item[1] if isinstance(item, tuple) else EngineCoreOutputs()
+                now = time.monotonic()
+                if item == STATS_NOW or now >= next_stats:
+                    outputs.engine_stats = self.make_stats()
+                    next_stats = now + self.stats_interval_s
+                outputs.engine_index = self.engine_index
+                self._send(sock, outputs)
+        except Exception:
+            logger.exception("the output thread failed")
+        finally:
+            sock.close()
+
+    def _send(self, sock: zmq.Socket, outputs: EngineCoreOutputs) -> None:
+        buffer = self._take_buffer()
+        try:
+            frames = self._encoder.encode_into(outputs, buffer)
+        except _DECODE_ERRORS as exc:
+            utility = outputs.utility_output
+            if utility is None:
+                logger.error("could not encode engine outputs: %s", exc)
+                return
+            # A utility returned something msgpack cannot carry: the caller gets the reason.
+            outputs.utility_output = UtilityOutput(
+                utility.call_id, failure_message=f"the result could not be serialized: {exc}"
+            )
+            frames = self._encoder.encode_into(outputs, buffer)
+        tracker = sock.send_multipart(frames, copy=False, track=True)
+        if tracker is None or tracker.done:
+            self._free.append(buffer)
+        else:
+            self._pending.append((tracker, buffer))
+
+    def _take_buffer(self) -> bytearray:
+        while self._pending and self._pending[0][0].done:
+            self._free.append(self._pending.popleft()[1])
+        return self._free.pop() if self._free else bytearray()

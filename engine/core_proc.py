@@ -1,0 +1,390 @@
+"""EngineCoreProc: an EngineCore in its own process, served over ZMQ (DESIGN.md §3, §5).
+
+Three threads: the busy loop (this module) owns the engine; the input and output threads
+(``core_io``) own the sockets. The busy loop blocks on the input queue only while idle, so an
+idle engine costs nothing and a busy one never waits on a socket.
+
+Shutdown (SIGTERM/SIGINT): the handler only records the request and wakes the loop. In ``drain``
+mode the engine reports ``draining`` at once, refuses new requests with finish reason
+``rejected``, keeps stepping until idle or the timeout, then aborts the rest; in ``abort`` mode it
+finishes every request with ``abort`` at once. Then the process exits 0. A fatal error sends
+``ENGINE_CORE_DEAD`` before the process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any, Literal
+
+import zmq
+
+from corefleet.engine.config import EngineConfig
+from corefleet.engine.core_io import (
+    STATS_NOW,
+    InputItem,
+    InputThread,
+    OutputItem,
+    OutputThread,
+    error_outputs,
+)
+from corefleet.engine.engine_core import EngineCore, is_utility
+from corefleet.engine.handshake import connect_handshake, own_hello, rank_identity, send_ready
+from corefleet.engine.net import CurveKeys
+from corefleet.engine.protocol import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineStats,
+    FinishReason,
+    ReadyResponse,
+    RequestType,
+    UtilityCall,
+    UtilityOutput,
+)
+from corefleet.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+ShutdownMode = Literal["drain", "abort"]
+SHUTTING_DOWN_MESSAGE = "the engine is shutting down"
+
+
+class ShutdownState(enum.Enum):
+    RUNNING = 0
+    REQUESTED = 1  # a signal arrived; the loop has not reacted yet
+    SHUTTING_DOWN = 2  # draining (or aborted); the loop exits once idle
+
+
+@dataclass(frozen=True)
+class EngineProcConfig:
+    """How one engine process reaches its server and how it shuts down."""
+
+    handshake_address: str
+    rank: int = 0
+    shutdown_mode: ShutdownMode = "drain"
+    shutdown_timeout_s: float = 30.0
+    curve: CurveKeys | None = None
+    pod_name: str | None = None
+    parent_pid: int | None = None  # abort and exit when this process stops being our parent
+    stats_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < 1 << 16:
+            raise ValueError(f"rank {self.rank} must be in [0, 65535]")
+        if self.shutdown_mode not in ("drain", "abort"):
+            raise ValueError(f"shutdown mode {self.shutdown_mode!r} must be drain or abort")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError("the shutdown timeout must be >= 0 seconds")
+
+
+class EngineCoreProc(EngineCore):
+    """An EngineCore that serves one client over ZMQ until it is told to stop."""
+
+    def __init__(self, config: EngineConfig, proc_config: EngineProcConfig) -> None:
+        self.proc_config = proc_config
+        self.rank = proc_config.rank
+        self.input_queue: queue.Queue[InputItem] = queue.Queue()
+        self.output_queue: queue.Queue[OutputItem] = queue.Queue()
+        self.shutdown_state = ShutdownState.RUNNING
+        self._force_abort = False
+        self._drain_deadline: float | None = None
+        self._wake = threading.Event()
+        self.ctx: zmq.Context = zmq.Context()
+
+        hello = own_hello(self.rank, config.compute_hash(), proc_config.pod_name)
+        handshake, init = connect_handshake(
+            self.ctx, proc_config.handshake_address, hello, proc_config.curve
+        )
+        super().__init__(config)  # load the model, allocate the KV cache, warm up
+        self.executor.register_failure_callback(self._on_executor_failure)
+        self.input_thread = InputThread(
+            self.ctx,
+            init.input_address,
+            rank_identity(self.rank),
+            proc_config.curve,
+            self._ready_response(),
+            self,
+        )
+        self.output_thread = OutputThread(
+            self.ctx,
+            init.output_address,
+            proc_config.curve,
+            self.output_queue,
+            self.make_engine_stats,
+            init.engine_index,
+            proc_config.stats_interval_s,
+            on_tick=self._check_parent,
+        )
+        self._waker = threading.Thread(target=self._forward_wakeups, name="corefleet-wake")
+        self._waker.daemon = True
+        for thread in (self.output_thread, self._waker, self.input_thread):
+            thread.start()
+        while not self.input_thread.ready.wait(1.0):
+            if not self.input_thread.is_alive():
+                raise RuntimeError("the input thread died before the engine was ready")
+        send_ready(handshake, self.rank)
+        logger.info("rank %d: ready, serving %s", self.rank, init.input_address)
+
+    def _ready_response(self) -> ReadyResponse:
+        block_size = self.config.cache.block_size
+        name = self.config.model.served_model_name or Path(self.model_path).stem
+        return ReadyResponse(
+            rank=self.rank,
+            max_model_len=self.max_model_len,
+            num_gpu_blocks=self.num_blocks,
+            block_size=block_size,
+            kv_cache_size_tokens=(self.num_blocks - 1) * block_size,
+            vocab_size=self.vocab_size,
+            model_name=name,
+            pid=os.getpid(),
+        )
+
+    # ---- the busy loop ---------------------------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        """Serve until shut down and idle; a fatal error propagates to the caller."""
+        while self._handle_shutdown():
+            # 1. Client requests: block for one while idle, then take all that are queued.
+            self._process_input_queue()
+            # 2. One step; its outputs go to the output thread.
+            self._process_engine_step()
+
+    def _process_input_queue(self) -> None:
+        while not self.scheduler.has_requests() and self.shutdown_state is ShutdownState.RUNNING:
+            self.complete_idle_waiters()
+            if self.input_queue.empty():
+                _discard(self.aborts_queue)  # every abort also came through the input queue
+            self._handle_client_request(*self.input_queue.get())
+        while True:
+            try:
+                item = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+            self._handle_client_request(*item)
+
+    def _process_engine_step(self) -> None:
+        outputs, executed = self.step()
+        for client_index, engine_outputs in outputs.items():
+            self.output_queue.put_nowait((client_index, engine_outputs))
+        if not executed and self.scheduler.has_unfinished_requests():
+            time.sleep(0.001)  # nothing could run: do not spin on the GIL
+
+    def _handle_client_request(self, kind: RequestType, payload: Any) -> None:
+        if kind is RequestType.ADD:
+            self._add(payload)
+        elif kind is RequestType.ABORT:
+            self.abort_requests(payload)
+        elif kind is RequestType.UTILITY:
+            self._call_utility(payload)
+        elif kind is RequestType.EXECUTOR_FAILED:
+            raise RuntimeError(payload or "the model executor failed")
+        # WAKEUP: nothing to do; it only unblocked the loop.
+
+    def _add(self, request: Request) -> None:
+        if self.shutdown_state is not ShutdownState.RUNNING:
+            message = f"rejected: {SHUTTING_DOWN_MESSAGE}"
+            self.output_queue.put_nowait(error_outputs(request, FinishReason.REJECTED, message))
+            return
+        try:
+            self.add_request(request)
+        except ValueError as exc:  # e.g. a duplicate request id: that request fails, not us
+            self.output_queue.put_nowait(error_outputs(request, FinishReason.ERROR, str(exc)))
+
+    # ---- utilities -------------------------------------------------------------------------
+
+    def _call_utility(self, call: UtilityCall) -> None:
+        """Run ``call`` and queue its reply; a returned Future defers the reply until done."""
+
+        def reply(result: Any = None, failure: str | None = None) -> None:
+            output = UtilityOutput(call.call_id, failure_message=failure, result=result)
+            message = EngineCoreOutputs(utility_output=output)
+            self.output_queue.put_nowait((call.client_index, message))
+
+        if self.shutdown_state is not ShutdownState.RUNNING:
+            reply(failure=f"call to {call.method} refused: {SHUTTING_DOWN_MESSAGE}")
+            return
+        method = None if call.method.startswith("_") else getattr(self, call.method, None)
+        if not is_utility(method):
+            reply(failure=f"unknown utility method {call.method!r}")
+            return
+        assert method is not None
+        try:
+            result = method(*call.args)
+        except Exception as exc:
+            reply(failure=f"call to {call.method} failed: {exc}")
+            return
+        if isinstance(result, Future):
+            result.add_done_callback(lambda done: _reply_when_done(done, call.method, reply))
+        else:
+            reply(result)
+
+    # ---- stats, shutdown and failure ---------------------------------------------------------
+
+    def make_engine_stats(self) -> EngineStats:
+        """Called from the output thread: it reads counters the loop updates (a racy but safe
+        snapshot under the GIL), so stats keep flowing while a long step runs."""
+        stats = self.scheduler.make_stats()
+        queries = stats.prefix_cache_queries
+        return EngineStats(
+            rank=self.rank,
+            num_waiting_reqs=stats.num_waiting_reqs,
+            num_running_reqs=stats.num_running_reqs,
+            kv_cache_usage=stats.kv_cache_usage,
+            prefix_cache_hit_rate=stats.prefix_cache_hits / queries if queries else 0.0,
+            draining=self.shutdown_state is not ShutdownState.RUNNING,
+            step_counter=stats.step_counter,
+        )
+
+    def request_shutdown(self) -> None:
+        """Safe from a signal handler: records the request and wakes the loop (via a thread,
+        because queue locks are not reentrant and the handler runs on the loop's thread)."""
+        if self.shutdown_state is ShutdownState.RUNNING:
+            self.shutdown_state = ShutdownState.REQUESTED
+        self._wake.set()
+
+    def _forward_wakeups(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            self.input_queue.put_nowait((RequestType.WAKEUP, None))
+
+    def _check_parent(self) -> None:
+        parent = self.proc_config.parent_pid
+        if parent is not None and os.getppid() != parent and not self._force_abort:
+            logger.warning("rank %d: parent process %d is gone; aborting", self.rank, parent)
+            self._force_abort = True
+            self.request_shutdown()
+
+    def _handle_shutdown(self) -> bool:
+        """Advance the shutdown state machine; False when the loop should exit."""
+        state = self.shutdown_state
+        if state is ShutdownState.RUNNING:
+            return True
+        if state is ShutdownState.REQUESTED:
+            self.shutdown_state = ShutdownState.SHUTTING_DOWN
+            self.output_queue.put_nowait(STATS_NOW)  # the client learns "draining" at once
+            cfg = self.proc_config
+            in_flight = self.get_num_unfinished_requests()
+            if cfg.shutdown_mode == "abort" or cfg.shutdown_timeout_s <= 0 or self._force_abort:
+                logger.info("rank %d: shutting down, aborting %d request(s)", self.rank, in_flight)
+                self._abort_all()
+            else:
+                logger.info(
+                    "rank %d: draining %d request(s) for up to %.0f s",
+                    self.rank,
+                    in_flight,
+                    cfg.shutdown_timeout_s,
+                )
+                self._drain_deadline = time.monotonic() + cfg.shutdown_timeout_s
+        elif self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
+            logger.warning(
+                "rank %d: drain timeout; aborting %d request(s)",
+                self.rank,
+                self.get_num_unfinished_requests(),
+            )
+            self._drain_deadline = None
+            self._abort_all()
+        return self.scheduler.has_requests()
+
+    def _abort_all(self) -> None:
+        finished = self.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+        by_client: dict[int, list[str]] = {}
+        for request in finished:
+            by_client.setdefault(request.client_index, []).append(request.request_id)
+        for client_index, ids in by_client.items():
+            outputs = [
+                EngineCoreOutput(i, [], FinishReason.ABORT, stop_reason=SHUTTING_DOWN_MESSAGE)
+                for i in ids
+            ]
+            message = EngineCoreOutputs(outputs=outputs, finished_requests=ids)
+            self.output_queue.put_nowait((client_index, message))
+
+    def _on_executor_failure(self) -> None:
+        self.input_queue.put_nowait((RequestType.EXECUTOR_FAILED, "the model executor failed"))
+
+    def send_engine_dead(self) -> None:
+        """Tell the client this engine is dead (after a fatal error), waiting up to 5 s."""
+        self.output_queue.put_nowait(ENGINE_CORE_DEAD)
+        self.output_thread.join(timeout=5.0)
+        if self.output_thread.is_alive():
+            logger.critical("rank %d: could not send ENGINE_CORE_DEAD within 5 s", self.rank)
+
+    def shutdown(self) -> None:
+        """Stop the socket threads (outputs already queued are sent first), then the executor."""
+        self.complete_idle_waiters()
+        self.input_thread.stop_event.set()
+        self.output_queue.put_nowait(None)
+        self.input_thread.join(timeout=2.0)
+        self.output_thread.join(timeout=5.0)
+        super().shutdown()
+        if self.input_thread.is_alive() or self.output_thread.is_alive():
+            self.ctx.destroy(linger=0)
+        else:
+            self.ctx.term()
+
+
+def _reply_when_done(done: Future[Any], method: str, reply: Any) -> None:
+    if done.cancelled():
+        reply(failure=f"call to {method} was cancelled")
+    elif (exc := done.exception()) is not None:
+        reply(failure=f"call to {method} failed: {exc}")
+    else:
+        reply(done.result())
+
+
+def _discard(aborts: queue.Queue[list[str]]) -> None:
+    while True:
+        try:
+            aborts.get_nowait()
+        except queue.Empty:
+            return
+
+
+def run_engine_core(config: EngineConfig, proc_config: EngineProcConfig) -> int:
+    """The engine process: start, serve, shut down; returns the process exit code.
+
+    SIGTERM/SIGINT while loading stop at once (exit 0); afterwards they start the configured
+    shutdown. A fatal error is logged, sent to the client as ENGINE_CORE_DEAD, and exits 1.
+    """
+    engine: EngineCoreProc | None = None
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if engine is None:
+            logger.info("rank %d: %s while starting; exiting", proc_config.rank, name)
+            raise SystemExit(0)
+        logger.info(
+            "rank %d: %s received; shutting down (%s)", engine.rank, name, proc_config.shutdown_mode
+        )
+        engine.request_shutdown()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        try:
+            engine = EngineCoreProc(config, proc_config)
+        except Exception:
+            logger.exception("engine core rank %d failed to start", proc_config.rank)
+            return 1
+        try:
+            engine.run_busy_loop()
+        except Exception:
+            logger.exception("engine core rank %d hit a fatal error", proc_config.rank)
+            engine.send_engine_dead()
+            return 1
+        logger.info("rank %d: shut down", engine.rank)
+        return 0
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if engine is not None:
+            engine.shutdown()

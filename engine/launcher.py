@@ -1,0 +1,130 @@
+"""Starts an engine process for a local client and owns everything that must be cleaned up.
+
+The client binds the three sockets (handshake ROUTER, input ROUTER, output PULL) on loopback,
+then runs ``corefleet engine-core --coordinator <handshake address>`` as a child — the very
+command a rank pod runs in the cluster — and serves its handshake.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.auth.thread
+
+from corefleet.engine.config import EngineConfig
+from corefleet.engine.engine_args import engine_argv_from_config
+from corefleet.engine.handshake import HandshakeServer
+from corefleet.engine.net import bound_address, load_curve_keys, make_socket, start_authenticator
+from corefleet.engine.protocol import ReadyResponse
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "tcp://127.0.0.1:0"
+_KILL_WAIT_S = 5.0
+
+
+@dataclass
+class EngineResources:
+    """The engine process and the sockets to it; :meth:`shutdown` is idempotent."""
+
+    ctx: zmq.Context
+    sockets: list[zmq.Socket] = field(default_factory=list)
+    authenticator: zmq.auth.thread.ThreadAuthenticator | None = None
+    process: subprocess.Popen[bytes] | None = None
+    default_timeout_s: float = 30.0
+    closing: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def stop_process(self, timeout: float | None = None) -> None:
+        """SIGTERM (the engine drains or aborts as configured), then SIGKILL after ``timeout``."""
+        proc = self.process
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        wait_s = self.default_timeout_s + _KILL_WAIT_S if timeout is None else timeout
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("engine pid %d still running after %.1f s; killing it", proc.pid, wait_s)
+            proc.kill()
+            proc.wait(timeout=_KILL_WAIT_S)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        with self._lock:
+            if self.closing and not self.sockets:
+                return
+            self.closing = True
+        self.stop_process(timeout)
+        self.close_sockets()
+
+    def close_sockets(self) -> None:
+        with self._lock:
+            sockets, self.sockets = self.sockets, []
+        for sock in sockets:
+            sock.close(linger=0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
+            self.authenticator = None
+        if not self.ctx.closed:
+            self.ctx.term()
+
+
+@dataclass
+class LaunchedEngine:
+    resources: EngineResources
+    handshake: zmq.Socket
+    input: zmq.Socket
+    output: zmq.Socket
+    info: ReadyResponse
+
+
+def launch_engine(
+    config: EngineConfig,
+    shutdown_mode: str,
+    shutdown_timeout_s: float,
+    curve_keys_dir: str | None,
+    extra_env: dict[str, str],
+) -> LaunchedEngine:
+    """Bind, spawn rank 0, and wait until it is ready (or raise EngineStartupError)."""
+    curve = load_curve_keys("server", curve_keys_dir) if curve_keys_dir else None
+    ctx: zmq.Context = zmq.Context()
+    resources = EngineResources(ctx, default_timeout_s=shutdown_timeout_s)
+    try:
+        if curve is not None:
+            resources.authenticator = start_authenticator(ctx, curve)
+        handshake = make_socket(ctx, zmq.ROUTER, LOOPBACK, bind=True, curve=curve)
+        inputs = make_socket(ctx, zmq.ROUTER, LOOPBACK, bind=True, curve=curve)
+        outputs = make_socket(ctx, zmq.PULL, LOOPBACK, bind=True, curve=curve)
+        resources.sockets += [handshake, inputs, outputs]
+        # A ROUTER drops messages to an unknown peer silently; we want to hear about it.
+        inputs.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        argv = [
+            sys.executable,
+            "-m",
+            "corefleet.engine.cli",
+            "engine-core",
+            *("--coordinator", bound_address(handshake)),
+            *("--rank", "0"),
+            *("--parent-pid", str(os.getpid())),
+            *("--shutdown-mode", shutdown_mode),
+            *("--shutdown-timeout", repr(shutdown_timeout_s)),
+            *engine_argv_from_config(config),
+        ]
+        if curve_keys_dir:
+            argv += ["--curve-keys-dir", curve_keys_dir]
+        env = {**os.environ, **extra_env}
+        logger.info("starting the engine core: %s", " ".join(argv[1:]))
+        resources.process = subprocess.Popen(argv, env=env)
+        server = HandshakeServer(handshake, inputs, bound_address(inputs), bound_address(outputs))
+        info = server.wait_for_engine(0, resources.process)
+    except BaseException:
+        resources.shutdown(timeout=0.0)
+        raise
+    return LaunchedEngine(resources, handshake, inputs, outputs, info)

@@ -1,0 +1,85 @@
+"""An executor without a model: every step samples one fixed token per request that is due one.
+
+It keeps the scheduler, the KV-cache manager, the busy loop and the sockets exactly as they are
+and removes only the forward pass, so benchmarks (``benchmarks/ipc_overhead.py``) measure what
+the engine itself costs per step and per request. Select it with
+``--distributed-executor-backend corefleet.engine.worker.null_executor:NullExecutor``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from corefleet.engine.config import EngineConfig
+from corefleet.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from corefleet.engine.models.loader import load_arch_config
+
+# What the real runner would need per token of KV cache in float32; only sizes the pool.
+_BYTES_PER_ELEMENT = 4
+
+
+class NullExecutor:
+    """The executor interface of ``UniProcExecutor`` with a constant-token "model"."""
+
+    def __init__(self, config: EngineConfig, model_path: str) -> None:
+        self.config = config
+        self.arch = load_arch_config(model_path)
+        eos = set(self.arch.eos_token_ids)
+        # The smallest id that is not an end-of-sequence token: requests run to max_tokens.
+        self.token_id = next(t for t in range(self.arch.vocab_size) if t not in eos)
+        self._num_tokens: dict[str, int] = {}  # request id -> tokens it has (prompt + output)
+        self._failure_callback: Callable[[], None] | None = None
+
+    def register_failure_callback(self, callback: Callable[[], None]) -> None:
+        self._failure_callback = callback
+
+    def determine_num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks_override is not None:
+            return cache.num_blocks_override
+        a = self.arch
+        per_block = (
+            2
+            * a.num_hidden_layers
+            * cache.block_size
+            * a.num_key_value_heads
+            * a.head_dim
+            * _BYTES_PER_ELEMENT
+        )
+        return max(2, cache.kv_cache_memory // per_block)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        del num_blocks  # nothing to allocate
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> Future[ModelRunnerOutput]:
+        future: Future[ModelRunnerOutput] = Future()
+        future.set_result(self._step(scheduler_output))
+        return future
+
+    def _step(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        num_tokens = self._num_tokens
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            num_tokens.pop(req_id, None)
+        computed: dict[str, int] = {}
+        for new in so.scheduled_new_reqs:
+            num_tokens[new.req_id] = len(new.token_ids)
+            computed[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+
+        req_ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for req_id in req_ids:
+            done = computed[req_id] + so.num_scheduled_tokens[req_id]
+            if done >= num_tokens[req_id]:  # the prompt (or last token) is fully computed
+                num_tokens[req_id] += 1
+                sampled.append([self.token_id])
+            else:
+                sampled.append([])  # a prefill chunk: nothing to sample yet
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+    def shutdown(self) -> None:
+        self._num_tokens.clear()
