@@ -74,8 +74,9 @@ class EngineCoreClient(ABC):
     def abort_requests(self, request_ids: list[str]) -> None: ...
 
     @abstractmethod
-    def get_output(self) -> EngineCoreOutputs:
-        """The next outputs; blocks until the engine sends some (multiprocess)."""
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        """The next outputs. Multiprocess: blocks until the engine sends some, raising
+        ``TimeoutError`` after ``timeout`` seconds; in-process: runs one step."""
 
     @abstractmethod
     def call_utility(self, method: str, *args: Any) -> Any:
@@ -129,10 +130,11 @@ class InprocClient(EngineCoreClient):
     def abort_requests(self, request_ids: list[str]) -> None:
         self.engine.abort_requests(request_ids)
 
-    def get_output(self) -> EngineCoreOutputs:
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         if self._buffered:
             return self._buffered.popleft()
         outputs, _ = self.engine.step()
+        self.engine.complete_idle_waiters()
         return outputs.get(0) or EngineCoreOutputs()
 
     def call_utility(self, method: str, *args: Any) -> Any:
@@ -146,6 +148,7 @@ class InprocClient(EngineCoreClient):
                 outputs, _ = self.engine.step()
                 if 0 in outputs:
                     self._buffered.append(outputs[0])
+                self.engine.complete_idle_waiters()
             return result.result()
         return result
 

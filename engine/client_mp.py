@@ -10,9 +10,9 @@ utility calls alike.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
+import secrets
 import threading
 import time
 import weakref
@@ -62,6 +62,7 @@ class MPClient:
         self.engine_info = launched.info
         self.input_socket = launched.input
         self.output_socket = launched.output
+        self.addresses = launched.addresses
         self.identity = rank_identity(0)
         self.heartbeat_timeout_s = options.resolved_heartbeat_timeout_s()
         self.dead: EngineDeadError | None = None
@@ -69,7 +70,6 @@ class MPClient:
         self.scheduler_stats: SchedulerStats | None = None
         self._encoder = MsgpackEncoder()
         self._decoder = MsgpackDecoder(EngineCoreOutputs)
-        self._call_ids = itertools.count(1)
         self._send_lock = threading.Lock()
         self._dead_lock = threading.Lock()
         # Idempotent clean-up, also when the client is garbage-collected or Python exits.
@@ -89,16 +89,20 @@ class MPClient:
         assert proc is not None
         code = proc.wait()
         if not self.resources.closing:
-            self.mark_dead(f"engine core rank 0 (pid {proc.pid}) {describe_exit(code)}")
+            # Exit 0 is a clean shutdown (e.g. SIGTERM from outside): gone, but not a failure.
+            reason = f"engine core rank 0 (pid {proc.pid}) {describe_exit(code)}"
+            self.mark_dead(reason, failure=code != 0)
 
-    def mark_dead(self, reason: str) -> None:
+    def mark_dead(self, reason: str, failure: bool = True) -> None:
         """Record the death once and fail every pending caller."""
         with self._dead_lock:
             if self.dead is not None:
                 return
             self.dead = EngineDeadError(reason)
-        if not self.resources.closing:
+        if failure and not self.resources.closing:
             logger.error("engine core is dead: %s", reason)
+        elif not self.resources.closing:
+            logger.info("engine core is gone: %s", reason)
         self._deliver_dead(self.dead)
 
     def _deliver_dead(self, error: EngineDeadError) -> None:
@@ -114,7 +118,8 @@ class MPClient:
         return [self.identity, kind.value, *self._encoder.encode(payload)]
 
     def _new_call(self, method: str, args: Sequence[Any]) -> tuple[int, UtilityCall]:
-        call_id = next(self._call_ids)
+        # Random ids: a stray or forged reply cannot complete another caller's call.
+        call_id = secrets.randbits(63)
         return call_id, UtilityCall(0, call_id, method, list(args))
 
     def _on_frames(self, frames: list[zmq.Frame]) -> EngineCoreOutputs | None:
@@ -169,8 +174,11 @@ class SyncMPClient(MPClient, EngineCoreClient):
         if self.dead is None and request_ids:
             self._send(self._frames(RequestType.ABORT, request_ids))
 
-    def get_output(self) -> EngineCoreOutputs:
-        item = self.outputs_queue.get()
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        try:
+            item = self.outputs_queue.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no output from the engine core in {timeout} s") from None
         if isinstance(item, EngineDeadError):
             self.outputs_queue.put_nowait(item)  # wake the next waiter too
             raise item

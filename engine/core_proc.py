@@ -176,6 +176,7 @@ class EngineCoreProc(EngineCore):
         outputs, executed = self.step()
         for client_index, engine_outputs in outputs.items():
             self.output_queue.put_nowait((client_index, engine_outputs))
+        self.complete_idle_waiters()
         if not executed and self.scheduler.has_unfinished_requests():
             time.sleep(0.001)  # nothing could run: do not spin on the GIL
 
@@ -303,7 +304,9 @@ class EngineCoreProc(EngineCore):
             by_client.setdefault(request.client_index, []).append(request.request_id)
         for client_index, ids in by_client.items():
             outputs = [
-                EngineCoreOutput(i, [], FinishReason.ABORT, stop_reason=SHUTTING_DOWN_MESSAGE)
+                EngineCoreOutput(
+                    i, [], finish_reason=FinishReason.ABORT, stop_reason=SHUTTING_DOWN_MESSAGE
+                )
                 for i in ids
             ]
             message = EngineCoreOutputs(outputs=outputs, finished_requests=ids)

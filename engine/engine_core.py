@@ -113,8 +113,6 @@ class EngineCore:
         model_output = future.result()
         self._process_aborts_queue()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-        if self._idle_waiters:
-            self.complete_idle_waiters()
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def _process_aborts_queue(self) -> None:
@@ -131,7 +129,11 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def complete_idle_waiters(self) -> None:
-        """Answer :meth:`wait_until_idle` callers once no request is left."""
+        """Answer :meth:`wait_until_idle` callers once no request is left.
+
+        Whoever steps the engine calls it after handing out a step's outputs, so a waiter's
+        reply always comes after the last outputs of the requests it waited for.
+        """
         if self._idle_waiters and not self.scheduler.has_unfinished_requests():
             waiters, self._idle_waiters = self._idle_waiters, []
             for waiter in waiters:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import msgspec
 import zmq
+import zmq.utils.monitor
 
 from corefleet.engine.net import CurveKeys, make_socket
 from corefleet.engine.protocol import (
@@ -73,17 +74,19 @@ def connect_handshake(
         curve=curve,
         linger_ms=5000,
     )
+    # Failed security handshakes are otherwise silent (ZMQ just retries): watch for them.
+    monitor = sock.get_monitor_socket(_HANDSHAKE_FAILURES)
     sock.send(_encoder.encode(hello))
     logger.info("rank %d: HELLO sent to %s, waiting for INIT", hello.rank, address)
-    started = last_log = time.monotonic()
-    while not sock.poll(1000):
-        now = time.monotonic()
-        if now - started > timeout_s:
-            sock.close()
-            raise EngineStartupError(f"rank {hello.rank}: no INIT from {address} in {timeout_s} s")
-        if now - last_log >= PROGRESS_LOG_INTERVAL_S:
-            logger.info("rank %d: still waiting for INIT from %s", hello.rank, address)
-            last_log = now
+    try:
+        _wait_for_reply(sock, monitor, address, hello.rank, timeout_s)
+    except BaseException:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close(linger=0)
+        raise
+    sock.disable_monitor()
+    monitor.close(linger=0)
     message = _handshake_decoder.decode(sock.recv())
     if isinstance(message, Refused):
         sock.close()
@@ -92,6 +95,45 @@ def connect_handshake(
         sock.close()
         raise EngineStartupError(f"rank {hello.rank}: expected INIT, got {message!r}")
     return sock, message
+
+
+_HANDSHAKE_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
+def _wait_for_reply(
+    sock: zmq.Socket,
+    monitor: zmq.Socket,
+    address: str,
+    rank: int,
+    timeout_s: float,
+) -> None:
+    started = last_log = time.monotonic()
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    while True:
+        events = dict(poller.poll(1000))
+        if sock in events:
+            return
+        if monitor in events:
+            event = zmq.utils.monitor.recv_monitor_message(monitor)
+            logger.error(
+                "rank %d: security handshake with %s failed (%s): check the CURVE keys "
+                "(COREFLEET_CURVE_* or --curve-keys-dir) on both sides",
+                rank,
+                address,
+                zmq.Event(event["event"]).name,
+            )
+        now = time.monotonic()
+        if now - started > timeout_s:
+            raise EngineStartupError(f"rank {rank}: no INIT from {address} in {timeout_s} s")
+        if now - last_log >= PROGRESS_LOG_INTERVAL_S:
+            logger.info("rank %d: still waiting for INIT from %s", rank, address)
+            last_log = now
 
 
 def send_ready(sock: zmq.Socket, rank: int) -> None:

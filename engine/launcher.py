@@ -84,6 +84,15 @@ class LaunchedEngine:
     output: zmq.Socket
     info: ReadyResponse
 
+    @property
+    def addresses(self) -> dict[str, str]:
+        """Where the engine connects: ``handshake``, ``input`` and ``output``."""
+        return {
+            "handshake": bound_address(self.handshake),
+            "input": bound_address(self.input),
+            "output": bound_address(self.output),
+        }
+
 
 def launch_engine(
     config: EngineConfig,
@@ -107,6 +116,9 @@ def launch_engine(
         inputs.setsockopt(zmq.ROUTER_MANDATORY, 1)
         argv = [
             sys.executable,
+            # -P: do not put the working directory first on sys.path, where a folder such as
+            # this repository's operator/ would shadow a standard-library module.
+            *(["-P"] if sys.version_info >= (3, 11) else []),
             "-m",
             "corefleet.engine.cli",
             "engine-core",
@@ -120,7 +132,7 @@ def launch_engine(
         if curve_keys_dir:
             argv += ["--curve-keys-dir", curve_keys_dir]
         env = {**os.environ, **extra_env}
-        logger.info("starting the engine core: %s", " ".join(argv[1:]))
+        logger.info("starting the engine core: %s", " ".join(argv[2:]))
         resources.process = subprocess.Popen(argv, env=env)
         server = HandshakeServer(handshake, inputs, bound_address(inputs), bound_address(outputs))
         info = server.wait_for_engine(0, resources.process)

@@ -9,6 +9,7 @@ exactly one client public key: a peer without it never gets a message through.
 from __future__ import annotations
 
 import logging
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -47,7 +48,7 @@ class CurveKeys:
             value = getattr(self, name)
             try:
                 ok = len(value) == 40 and len(z85.decode(value)) == 32
-            except (ValueError, KeyError, TypeError, IndexError):
+            except (ValueError, KeyError, TypeError, IndexError, struct.error):
                 ok = False
             if not ok:
                 raise ValueError(f"CURVE {name.replace('_', ' ')} is not a 40-character Z85 key")
@@ -88,7 +89,8 @@ def load_curve_keys(role: CurveRole, keys_dir: str | None = None) -> CurveKeys |
     missing = [name for name, value in values.items() if not value]
     if missing:
         raise ValueError(f"CURVE is half configured: {', '.join(missing)} not set")
-    public, secret, peer = (str(v).encode() for v in values.values())
+    # Stripped like key files: a Secret exposed through the environment may end in a newline.
+    public, secret, peer = (str(v).strip().encode() for v in values.values())
     return CurveKeys(public, secret, peer)
 
 
@@ -146,7 +148,7 @@ class _OneKeyProvider:
     """ZAP credentials check: exactly one client public key is welcome."""
 
     def __init__(self, allowed_key: bytes) -> None:
-        self.allowed = z85.decode(allowed_key)
+        self.allowed = allowed_key  # pyzmq hands the callback Z85-encoded keys
 
     def callback(self, domain: str, key: bytes) -> bool:
         ok = key == self.allowed

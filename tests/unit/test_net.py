@@ -134,11 +134,6 @@ def test_folder_malformed_key_is_a_value_error(
         load_curve_keys(role, str(tmp_path))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="CurveKeys lets struct.error escape (not ValueError) for a 40-character key of Z85 "
-    "alphabet characters whose 5-character groups exceed 2**32 (z85.decode overflows)",
-)
 def test_folder_key_overflowing_z85_is_a_value_error(
     tmp_path: Path, pairs: dict[str, tuple[bytes, bytes]]
 ) -> None:
@@ -386,12 +381,6 @@ def test_curve_without_authenticator_delivers(
     assert server.recv() == b"sealed"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="net._OneKeyProvider compares the ZAP key to z85.decode(peer_key) (32 raw bytes), "
-    "but pyzmq's Authenticator passes the client key Z85-encoded (40 bytes) to the callback, "
-    "so every client, the right one included, is refused",
-)
 def test_authenticator_admits_the_right_client(
     znet: _Net, pairs: dict[str, tuple[bytes, bytes]]
 ) -> None:

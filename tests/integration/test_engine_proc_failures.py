@@ -1,0 +1,256 @@
+"""Engine processes that are told to stop, die, fail to start, or meet strangers.
+
+Real processes, real signals, real sockets: SIGTERM drain and abort, SIGKILL, an exception inside
+``execute_model``, a child killed while loading, and CURVE refusing unauthenticated peers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from corefleet.engine.client import EngineDeadError, MPClientOptions
+from corefleet.engine.client_mp import SyncMPClient
+from corefleet.engine.handshake import EngineStartupError
+from corefleet.engine.protocol import (
+    PROTOCOL_VERSION,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    Hello,
+)
+from corefleet.engine.serial import MsgpackEncoder
+from tests.engine_faults import PID_FILE_ENV
+from tests.engine_proc_support import (
+    PROMPTS,
+    child_env,
+    collect,
+    generate,
+    greedy,
+    reference_tokens,
+    tiny_config,
+)
+from tests.fixtures_models import write_tiny_llama
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "m")
+
+
+def _start(tiny: Path, **options: Any) -> SyncMPClient:
+    engine_args = options.pop("engine_args", {})
+    return SyncMPClient(tiny_config(tiny, **engine_args), MPClientOptions(**options))
+
+
+def _pid(client: SyncMPClient) -> int:
+    assert client.resources.process is not None
+    return client.resources.process.pid
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout} s")
+        time.sleep(0.02)
+
+
+def _start_in_flight(client: SyncMPClient, n: int, max_tokens: int) -> dict[str, list[int]]:
+    """Add ``n`` requests and return once each has produced a token."""
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(n)}
+    for i, request_id in enumerate(tokens):
+        client.add_request(EngineCoreRequest(request_id, PROMPTS[i % 4], greedy(max_tokens)))
+    while not all(tokens.values()):
+        for out in client.get_output(10).outputs:
+            tokens[out.request_id] += out.new_token_ids
+    return tokens
+
+
+def test_sigterm_drain_finishes_in_flight_requests_and_refuses_new_ones(tiny: Path) -> None:
+    client = _start(tiny, shutdown_mode="drain", shutdown_timeout_s=60)
+    try:
+        early = _start_in_flight(client, 4, max_tokens=150)
+        os.kill(_pid(client), signal.SIGTERM)
+        _wait_for(lambda: client.engine_stats is not None and client.engine_stats.draining, 5)
+        client.add_request(EngineCoreRequest("late", PROMPTS[0], greedy(5)))
+        with pytest.raises(RuntimeError, match="shutting down"):
+            client.call_utility("get_num_unfinished_requests")
+        results = collect(client, {*early, "late"})
+        assert results["late"].reason is FinishReason.REJECTED and results["late"].tokens == []
+        for request_id, first in early.items():
+            assert results[request_id].reason is FinishReason.LENGTH
+            assert len(first + results[request_id].tokens) == 150
+        assert client.resources.process is not None
+        assert client.resources.process.wait(timeout=30) == 0
+    finally:
+        client.shutdown()
+
+
+def test_sigterm_abort_finishes_everything_with_abort_within_a_second(tiny: Path) -> None:
+    client = _start(tiny, shutdown_mode="abort")
+    try:
+        in_flight = _start_in_flight(client, 4, max_tokens=200)
+        signalled = time.monotonic()
+        os.kill(_pid(client), signal.SIGTERM)
+        results = collect(client, set(in_flight), timeout=5)
+        assert time.monotonic() - signalled < 1.0
+        assert all(r.reason is FinishReason.ABORT for r in results.values())
+        assert client.resources.process is not None
+        assert client.resources.process.wait(timeout=10) == 0
+    finally:
+        client.shutdown()
+
+
+def test_sigkill_fails_every_pending_call_with_engine_dead(tiny: Path) -> None:
+    client = _start(tiny)
+    errors: list[BaseException] = []
+
+    def call(fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        for i in range(32):  # enough work that nothing finishes before the kill
+            client.add_request(EngineCoreRequest(f"long{i}", PROMPTS[i % 4], greedy(220)))
+        # A waiting utility call (its reply is deferred until idle) and a waiting reader.
+        waiters = [
+            threading.Thread(target=call, args=(lambda: client.call_utility("wait_until_idle"),)),
+            threading.Thread(target=call, args=(lambda: collect(client, {"never"}, 30),)),
+        ]
+        for waiter in waiters:
+            waiter.start()
+        time.sleep(0.2)
+        assert client.call_utility("get_num_unfinished_requests") == 32
+        killed = time.monotonic()
+        os.kill(_pid(client), signal.SIGKILL)
+        for waiter in waiters:
+            waiter.join(timeout=5)
+        assert time.monotonic() - killed < 5.0
+        assert len(errors) == 2 and all(isinstance(e, EngineDeadError) for e in errors)
+        assert "SIGKILL" in str(errors[0])
+        with pytest.raises(EngineDeadError):
+            client.add_request(EngineCoreRequest("after", PROMPTS[0], greedy(2)))
+        client.abort_requests(["long0"])  # a no-op once dead, not an error
+    finally:
+        client.shutdown()
+        client.shutdown()  # idempotent
+
+
+def test_exception_inside_execute_model_reaches_the_client_as_engine_dead(
+    tiny: Path, tmp_path: Path
+) -> None:
+    client = _start(
+        tiny,
+        extra_env=child_env(tmp_path),
+        engine_args={"distributed_executor_backend": "tests.engine_faults:FailingExecutor"},
+    )
+    try:
+        client.add_request(EngineCoreRequest("doomed", PROMPTS[0], greedy(50)))
+        with pytest.raises(EngineDeadError, match="ENGINE_CORE_DEAD"):
+            collect(client, {"doomed"}, timeout=30)
+        assert client.resources.process is not None
+        assert client.resources.process.wait(timeout=10) == 1
+    finally:
+        client.shutdown()
+
+
+def test_child_killed_while_loading_fails_fast_naming_rank_and_exit(
+    tiny: Path, tmp_path: Path
+) -> None:
+    pid_file = tmp_path / "pid"
+    outcome: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            _start(
+                tiny,
+                extra_env=(*child_env(tmp_path), (PID_FILE_ENV, str(pid_file))),
+                engine_args={
+                    "distributed_executor_backend": "tests.engine_faults:SlowStartExecutor"
+                },
+            ).shutdown()
+        except BaseException as exc:
+            outcome.append(exc)
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    _wait_for(lambda: pid_file.exists() and pid_file.read_text() != "", 60)
+    killed = time.monotonic()
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    starter.join(timeout=10)
+    assert time.monotonic() - killed < 3.0
+    assert len(outcome) == 1 and isinstance(outcome[0], EngineStartupError)
+    message = str(outcome[0])
+    assert "rank 0" in message and "SIGKILL" in message and "loading the model" in message
+
+
+def test_child_failing_to_start_reports_its_exit_code(tiny: Path) -> None:
+    with pytest.raises(EngineStartupError, match=r"rank 0 .* exited with code 1"):
+        _start(tiny, engine_args={"distributed_executor_backend": "no_such_module:Executor"})
+
+
+def _write_keys(folder: Path) -> None:
+    folder.mkdir()
+    for side in ("server", "client"):
+        public, secret = zmq.curve_keypair()
+        (folder / f"{side}-public").write_bytes(public + b"\n")
+        (folder / f"{side}-secret").write_bytes(secret + b"\n")
+
+
+def test_curve_admits_the_engine_and_nobody_else(tiny: Path, tmp_path: Path) -> None:
+    keys = tmp_path / "curve"
+    _write_keys(keys)
+    expected = reference_tokens(tiny, PROMPTS[:2], 10)
+    client = _start(tiny, curve_keys_dir=str(keys))
+    ctx = zmq.Context()
+    rogues: list[zmq.Socket] = []
+    try:
+        # Forged outputs for a live request, from a peer without keys and one with its own keys.
+        forged = MsgpackEncoder().encode(
+            EngineCoreOutputs(
+                outputs=[EngineCoreOutput("victim", [1], finish_reason=FinishReason.STOP)]
+            )
+        )
+        for curve in (False, True):
+            rogue = ctx.socket(zmq.PUSH)
+            rogue.setsockopt(zmq.LINGER, 0)
+            if curve:
+                public, secret = zmq.curve_keypair()
+                rogue.curve_publickey, rogue.curve_secretkey = public, secret
+                rogue.curve_serverkey = (keys / "server-public").read_bytes().strip()
+            rogue.connect(client.addresses["output"])
+            rogues.append(rogue)
+        hello = ctx.socket(zmq.DEALER)
+        hello.setsockopt(zmq.LINGER, 0)
+        hello.setsockopt(zmq.IDENTITY, (0).to_bytes(2, "little"))
+        hello.connect(client.addresses["handshake"])
+        rogues.append(hello)
+
+        client.add_request(EngineCoreRequest("victim", PROMPTS[0], greedy(40)))
+        for rogue in rogues[:2]:
+            for _ in range(5):
+                rogue.send_multipart(forged)
+        hello.send(MsgpackEncoder().encode(Hello(rank=0, protocol_version=PROTOCOL_VERSION))[0])
+        victim = collect(client, {"victim"}, timeout=30)["victim"]
+        assert victim.reason is FinishReason.LENGTH and len(victim.tokens) == 40
+        assert not hello.poll(1500), "the handshake server answered an unauthenticated peer"
+        assert generate(client, PROMPTS[:2], 10) == expected
+    finally:
+        for rogue in rogues:
+            rogue.close()
+        ctx.term()
+        client.shutdown()
