@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterator
+
 import pytest
 
 from corefleet.engine import LLM, SamplingParams
+from corefleet.engine.client import MPClientOptions
+from corefleet.engine.client_mp import AsyncMPClient, SyncMPClient
+from corefleet.engine.config import EngineConfig
+from corefleet.engine.protocol import EngineCoreRequest
 from tests.integration.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -48,8 +55,12 @@ def _generate(llm: LLM, prompt_ids: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(dtype="float32", kv_cache_memory=256 << 20, enable_prefix_caching=True)
+def llm() -> Iterator[LLM]:
+    # The default LLM: the engine in a child process behind SyncMPClient.
+    llm = LLM(dtype="float32", kv_cache_memory=256 << 20, enable_prefix_caching=True)
+    assert isinstance(llm.engine_client, SyncMPClient)
+    yield llm
+    llm.shutdown()
 
 
 def test_batched_greedy_equals_hf(llm: LLM, prompt_ids, hf_outputs) -> None:  # type: ignore[no-untyped-def]
@@ -95,3 +106,25 @@ def test_chat_template_and_text(llm: LLM) -> None:
     assert out.prompt is not None and out.prompt.startswith("<|im_start|>")
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_async_client_equals_hf(prompt_ids, hf_outputs) -> None:  # type: ignore[no-untyped-def]
+    async def run(client: AsyncMPClient) -> list[list[int]]:
+        for i, ids in enumerate(prompt_ids):
+            await client.add_request_async(EngineCoreRequest(str(i), ids, GREEDY))
+        tokens: list[list[int]] = [[] for _ in prompt_ids]
+        pending = set(range(len(prompt_ids)))
+        while pending:
+            outputs = await asyncio.wait_for(client.get_output_async(), timeout=120)
+            for out in outputs.outputs:
+                tokens[int(out.request_id)] += out.new_token_ids
+                if out.finished:
+                    pending.discard(int(out.request_id))
+        return tokens
+
+    config = EngineConfig.from_kwargs(dtype="float32", kv_cache_memory=256 << 20)
+    client = AsyncMPClient(config, MPClientOptions())
+    try:
+        assert asyncio.run(run(client)) == hf_outputs
+    finally:
+        client.shutdown()
