@@ -13,8 +13,8 @@ are medians over runs, because this machine's speed drifts and only same-run pai
    the tokens per request (= the steps of a batch of C; in-process that is exactly the steps).
    This is the throughput a consumer sees: with a process hop the engine may step ahead of the
    output path, or admit the C requests over several steps. Added µs/step = multiprocess -
-   in-process. Diagnostics: engine steps, the engine's own µs/step (its timestamps between
-   messages that carry all C requests) and the median delivery lag (engine timestamp to
+   in-process. Diagnostics: engine steps (the engine's step counter), the engine's own µs/step
+   (its timestamps over its step counter) and the median delivery lag (engine timestamp to
    ``get_output()`` return).
 
 Targets: >= 20,000 short requests/s through one EngineCoreProc; <= 100 µs added per step.
@@ -62,7 +62,7 @@ class ShortResult:
 class DecodeResult:
     us_per_step: float  # wall time (first add -> last output received) / decode tokens
     steps: int  # output messages (= engine steps with tokens); > tokens when admission spreads
-    engine_us_per_step: float  # engine clock between full-batch messages (nan: fewer than 2)
+    engine_us_per_step: float  # engine clock per engine step (nan: fewer than 2 steps)
     delivery_us: float  # median engine timestamp -> get_output() return (nan: no full batch)
 
 
@@ -94,18 +94,25 @@ def run_decode(client: EngineCoreClient, concurrency: int, tokens: int) -> Decod
         client.add_request(new_request(params))
     received: list[float] = []  # client clock (time.monotonic) at get_output() return
     stamped: list[float] = []  # the message's timestamp (time.monotonic in the engine)
-    remaining, steps = concurrency, 0
+    # (engine timestamp, engine step counter) of messages carrying scheduler stats. A message
+    # may fold several steps when the engine runs ahead of its output thread, so steps come
+    # from the engine's counter, not from counting messages.
+    clock: list[tuple[float, int]] = []
+    remaining = concurrency
     while remaining:
         out = client.get_output()
         now = time.monotonic()
-        steps += bool(out.outputs)
-        if len(out.outputs) == concurrency:
+        if len(out.outputs) >= concurrency:
             received.append(now)
             stamped.append(out.timestamp)
+        if out.scheduler_stats is not None:
+            clock.append((out.timestamp, out.scheduler_stats.step_counter))
         remaining -= sum(o.finished for o in out.outputs)
     wall = time.monotonic() - start
     nan = float("nan")
-    engine = (stamped[-1] - stamped[0]) / (len(stamped) - 1) if len(stamped) > 1 else nan
+    steps = clock[-1][1] - clock[0][1] + 1 if clock else 0
+    span = clock[-1][0] - clock[0][0] if clock else 0.0
+    engine = span / (steps - 1) if steps > 1 else nan
     lags = [r - s for r, s in zip(received, stamped, strict=True)]
     return DecodeResult(
         wall / tokens * 1e6, steps, engine * 1e6, statistics.median(lags) * 1e6 if lags else nan
@@ -169,7 +176,7 @@ def report(args: argparse.Namespace, cells: dict[tuple[int, str], Cell]) -> None
         )
     print(
         "\nµs/step: wall time / tokens per request (a consumer's view); engine side: the engine's "
-        "own\ntimestamps between steps that carry all C requests (the busy loop's step cost)."
+        "own\nclock per step of its step counter (the busy loop's step cost)."
     )
     print("\nDetails (medians; per-run figures in brackets, in run order):\n")
     print(

@@ -53,9 +53,9 @@ _POLL_MS = 100
 class InputSink(Protocol):
     """What the input thread needs from the engine."""
 
-    input_queue: queue.Queue[InputItem]
-    aborts_queue: queue.Queue[list[str]]
-    output_queue: queue.Queue[OutputItem]
+    input_queue: queue.SimpleQueue[InputItem]
+    aborts_queue: queue.SimpleQueue[list[str]]
+    output_queue: queue.SimpleQueue[OutputItem]
 
     def preprocess_add_request(self, request: EngineCoreRequest) -> Request: ...
 
@@ -172,7 +172,7 @@ class OutputThread(threading.Thread):
         ctx: zmq.Context,
         address: str,
         curve: CurveKeys | None,
-        output_queue: queue.Queue[OutputItem],
+        output_queue: queue.SimpleQueue[OutputItem],
         make_stats: Callable[[], EngineStats],
         engine_index: int,
         stats_interval_s: float = 0.5,
@@ -188,6 +188,9 @@ class OutputThread(threading.Thread):
         self._encoder = MsgpackEncoder()
         self._free: list[bytearray] = []
         self._pending: deque[tuple[zmq.MessageTracker, bytearray]] = deque()
+        # An item taken from the queue while merging that must be handled next (it may be the
+        # None sentinel itself, hence a list rather than an Optional).
+        self._carried: list[OutputItem] = []
 
     def run(self) -> None:
         sock = make_socket(self.ctx, zmq.PUSH, self.address, bind=False, curve=self.curve)
@@ -196,7 +199,11 @@ class OutputThread(threading.Thread):
         try:
             while True:
                 try:
-                    item = self.output_queue.get(timeout=max(0.0, next_stats - time.monotonic()))
+                    if self._carried:
+                        item = self._carried.pop()
+                    else:
+                        timeout = max(0.0, next_stats - time.monotonic())
+                        item = self.output_queue.get(timeout=timeout)
                 except queue.Empty:
                     item = STATS_NOW
                     if self.on_tick is not None:
@@ -206,7 +213,8 @@ class OutputThread(threading.Thread):
                 if item == ENGINE_CORE_DEAD:
                     sock.send(ENGINE_CORE_DEAD)
                     return
-                outputs = item[1] if isinstance(item, tuple) else EngineCoreOutputs()
+                outputs = self._merge_backlog(item) if isinstance(item, tuple) else None
+                outputs = outputs or EngineCoreOutputs()
                 now = time.monotonic()
                 if item == STATS_NOW or now >= next_stats:
                     outputs.engine_stats = self.make_stats()
@@ -217,6 +225,37 @@ class OutputThread(threading.Thread):
             logger.exception("the output thread failed")
         finally:
             sock.close()
+
+    def _merge_backlog(self, item: tuple[int, EngineCoreOutputs]) -> EngineCoreOutputs:
+        """Fold the step outputs already queued behind ``item`` into one message.
+
+        When the engine steps faster than this thread sends, one message per backlog instead
+        of one per step saves a send and a client-side decode per step. Only plain step
+        outputs merge; the first other item (a utility reply, a sentinel) stays queued next.
+        """
+        outputs = item[1]
+        if outputs.utility_output is not None:
+            return outputs
+        while not self._carried:
+            try:
+                following = self.output_queue.get_nowait()
+            except queue.Empty:
+                break
+            if not (
+                isinstance(following, tuple)
+                and following[0] == item[0]
+                and following[1].utility_output is None
+            ):
+                self._carried.append(following)
+                break
+            more = following[1]
+            outputs.outputs += more.outputs
+            if more.finished_requests:
+                outputs.finished_requests = (
+                    outputs.finished_requests or []
+                ) + more.finished_requests
+            outputs.scheduler_stats = more.scheduler_stats or outputs.scheduler_stats
+        return outputs
 
     def _send(self, sock: zmq.Socket, outputs: EngineCoreOutputs) -> None:
         buffer = self._take_buffer()

@@ -18,6 +18,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -56,6 +57,11 @@ from corefleet.engine.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 ShutdownMode = Literal["drain", "abort"]
+_IDLE_WAIT_S = 0.2
+# The busy loop is Python that holds the GIL between model calls; the socket threads need it
+# for microseconds at a time but would wait up to the default 5 ms switch interval for it,
+# which batches requests into few, late steps (see benchmarks/README.md, IPC overhead).
+ENGINE_SWITCH_INTERVAL_S = 0.0005
 SHUTTING_DOWN_MESSAGE = "the engine is shutting down"
 
 
@@ -93,8 +99,8 @@ class EngineCoreProc(EngineCore):
     def __init__(self, config: EngineConfig, proc_config: EngineProcConfig) -> None:
         self.proc_config = proc_config
         self.rank = proc_config.rank
-        self.input_queue: queue.Queue[InputItem] = queue.Queue()
-        self.output_queue: queue.Queue[OutputItem] = queue.Queue()
+        self.input_queue: queue.SimpleQueue[InputItem] = queue.SimpleQueue()
+        self.output_queue: queue.SimpleQueue[OutputItem] = queue.SimpleQueue()
         self.shutdown_state = ShutdownState.RUNNING
         self._force_abort = False
         self._drain_deadline: float | None = None
@@ -164,7 +170,13 @@ class EngineCoreProc(EngineCore):
             self.complete_idle_waiters()
             if self.input_queue.empty():
                 _discard(self.aborts_queue)  # every abort also came through the input queue
-            self._handle_client_request(*self.input_queue.get())
+            try:
+                # Timed: the kernel may deliver SIGTERM to another thread (ZMQ's, OpenMP's),
+                # which does not interrupt this wait; the handler then runs within the timeout.
+                item = self.input_queue.get(timeout=_IDLE_WAIT_S)
+            except queue.Empty:
+                continue
+            self._handle_client_request(*item)
         while True:
             try:
                 item = self.input_queue.get_nowait()
@@ -345,7 +357,7 @@ def _reply_when_done(done: Future[Any], method: str, reply: Any) -> None:
         reply(done.result())
 
 
-def _discard(aborts: queue.Queue[list[str]]) -> None:
+def _discard(aborts: queue.SimpleQueue[list[str]]) -> None:
     while True:
         try:
             aborts.get_nowait()
@@ -372,6 +384,7 @@ def run_engine_core(config: EngineConfig, proc_config: EngineProcConfig) -> int:
         engine.request_shutdown()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
     try:
         try:
             engine = EngineCoreProc(config, proc_config)

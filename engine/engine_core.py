@@ -60,7 +60,7 @@ class EngineCore:
         )
         # Aborts that arrive from other threads while the model runs; applied before the
         # step's results so a request aborted during its last step ends ABORTED, not LENGTH.
-        self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
+        self.aborts_queue: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
         self._idle_waiters: list[Future[None]] = []
         logger.info(
             "engine ready in %.1f s: max_model_len=%d, %d KV blocks of %d tokens (%d tokens)",
