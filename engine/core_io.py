@@ -206,8 +206,6 @@ class OutputThread(threading.Thread):
                         item = self.output_queue.get(timeout=timeout)
                 except queue.Empty:
                     item = STATS_NOW
-                    if self.on_tick is not None:
-                        self.on_tick()
                 if item is None:
                     return
                 if item == ENGINE_CORE_DEAD:
@@ -219,6 +217,8 @@ class OutputThread(threading.Thread):
                 if item == STATS_NOW or now >= next_stats:
                     outputs.engine_stats = self.make_stats()
                     next_stats = now + self.stats_interval_s
+                    if self.on_tick is not None:
+                        self.on_tick()  # periodic checks ride on the stats interval
                 outputs.engine_index = self.engine_index
                 self._send(sock, outputs)
         except Exception:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +21,9 @@ import zmq
 
 from corefleet.engine.client import EngineDeadError, MPClientOptions
 from corefleet.engine.client_mp import SyncMPClient
-from corefleet.engine.handshake import EngineStartupError
+from corefleet.engine.engine_args import engine_argv_from_config
+from corefleet.engine.handshake import EngineStartupError, HandshakeServer
+from corefleet.engine.net import bound_address, make_socket
 from corefleet.engine.protocol import (
     PROTOCOL_VERSION,
     EngineCoreOutput,
@@ -254,3 +258,29 @@ def test_curve_admits_the_engine_and_nobody_else(tiny: Path, tmp_path: Path) -> 
             rogue.close()
         ctx.term()
         client.shutdown()
+
+
+def test_engine_whose_parent_is_gone_exits_by_itself(tiny: Path) -> None:
+    ctx = zmq.Context()
+    handshake, inputs, outputs = (
+        make_socket(ctx, kind, "tcp://127.0.0.1:0", bind=True)
+        for kind in (zmq.ROUTER, zmq.ROUTER, zmq.PULL)
+    )
+    argv = [
+        sys.executable,
+        *("-P", "-m", "corefleet.engine.cli", "engine-core"),
+        *("--coordinator", bound_address(handshake)),
+        # Not our parent: the engine must conclude its parent died, abort and exit.
+        *("--parent-pid", "1"),
+        *engine_argv_from_config(tiny_config(tiny)),
+    ]
+    proc = subprocess.Popen(argv)
+    try:
+        server = HandshakeServer(handshake, inputs, bound_address(inputs), bound_address(outputs))
+        server.wait_for_engine(0, proc)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        proc.kill()
+        for sock in (handshake, inputs, outputs):
+            sock.close(linger=0)
+        ctx.term()
