@@ -117,6 +117,36 @@ def test_sigterm_abort_finishes_everything_with_abort_within_a_second(tiny: Path
         client.shutdown()
 
 
+def test_drain_timeout_aborts_what_is_left_and_exits(tiny: Path) -> None:
+    client = _start(tiny, shutdown_mode="drain", shutdown_timeout_s=1.0)
+    try:
+        # 64 requests of 250 tokens take far longer than the 1 s drain allows.
+        in_flight = _start_in_flight(client, 64, max_tokens=250)
+        signalled = time.monotonic()
+        os.kill(_pid(client), signal.SIGTERM)
+        results = collect(client, set(in_flight), timeout=20)
+        assert 0.9 < time.monotonic() - signalled < 5.0
+        assert {r.reason for r in results.values()} == {FinishReason.ABORT}
+        assert client.resources.process is not None
+        assert client.resources.process.wait(timeout=10) == 0
+    finally:
+        client.shutdown()
+
+
+def test_a_silent_engine_is_declared_dead_after_the_heartbeat_timeout(tiny: Path) -> None:
+    client = _start(tiny, heartbeat_timeout_s=1.5)
+    try:
+        client.add_request(EngineCoreRequest("frozen", PROMPTS[0], greedy(200)))
+        os.kill(_pid(client), signal.SIGSTOP)  # alive, but says nothing: no stats, no outputs
+        stopped = time.monotonic()
+        with pytest.raises(EngineDeadError, match="no message from the engine core"):
+            collect(client, {"frozen"}, timeout=10)
+        assert 1.5 <= time.monotonic() - stopped < 4.0
+    finally:
+        os.kill(_pid(client), signal.SIGCONT)
+        client.shutdown()
+
+
 def test_sigkill_fails_every_pending_call_with_engine_dead(tiny: Path) -> None:
     client = _start(tiny)
     errors: list[BaseException] = []
@@ -268,7 +298,8 @@ def test_engine_whose_parent_is_gone_exits_by_itself(tiny: Path) -> None:
     )
     argv = [
         sys.executable,
-        *("-P", "-m", "corefleet.engine.cli", "engine-core"),
+        *(["-P"] if sys.version_info >= (3, 11) else []),
+        *("-m", "corefleet.engine.cli", "engine-core"),
         *("--coordinator", bound_address(handshake)),
         # Not our parent: the engine must conclude its parent died, abort and exit.
         *("--parent-pid", "1"),
