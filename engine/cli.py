@@ -92,6 +92,15 @@ def _engine_core_parser(sub: argparse._SubParsersAction) -> None:
         help="folder with client-public, client-secret and server-public (a mounted Secret)",
     )
     core.add_argument(
+        "--health-port",
+        type=int,
+        default=8001,
+        help="port of GET /health (liveness) and GET /ready (readiness); 0 turns them off",
+    )
+    core.add_argument(
+        "--health-host", default="0.0.0.0", help="address the health endpoints bind to"
+    )
+    core.add_argument(
         "--parent-pid",
         type=int,
         default=None,
@@ -154,7 +163,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _engine_core(args: argparse.Namespace) -> int:
-    from corefleet.engine.core_proc import EngineProcConfig, run_engine_core
+    from corefleet.engine.core_entry import run_engine_core
+    from corefleet.engine.core_proc import EngineProcConfig
     from corefleet.engine.engine_args import engine_config_from_args
     from corefleet.engine.net import handshake_address, load_curve_keys
 
@@ -166,6 +176,8 @@ def _engine_core(args: argparse.Namespace) -> int:
         curve=load_curve_keys("client", args.curve_keys_dir),
         pod_name=envs.pod_name(),
         parent_pid=args.parent_pid,
+        health_host=args.health_host,
+        health_port=args.health_port,
     )
     return run_engine_core(engine_config_from_args(args), proc_config)
 

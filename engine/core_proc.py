@@ -17,14 +17,11 @@ import enum
 import logging
 import os
 import queue
-import signal
-import sys
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any, Literal
 
 import zmq
@@ -40,6 +37,7 @@ from corefleet.engine.core_io import (
 )
 from corefleet.engine.engine_core import EngineCore, is_utility
 from corefleet.engine.handshake import connect_handshake, own_hello, rank_identity, send_ready
+from corefleet.engine.health import EngineState, HealthServer
 from corefleet.engine.net import CurveKeys
 from corefleet.engine.protocol import (
     ENGINE_CORE_DEAD,
@@ -58,10 +56,6 @@ logger = logging.getLogger(__name__)
 
 ShutdownMode = Literal["drain", "abort"]
 _IDLE_WAIT_S = 0.2
-# The busy loop is Python that holds the GIL between model calls; the socket threads need it
-# for microseconds at a time but would wait up to the default 5 ms switch interval for it,
-# which batches requests into few, late steps (see benchmarks/README.md, IPC overhead).
-ENGINE_SWITCH_INTERVAL_S = 0.0005
 SHUTTING_DOWN_MESSAGE = "the engine is shutting down"
 
 
@@ -83,6 +77,8 @@ class EngineProcConfig:
     pod_name: str | None = None
     parent_pid: int | None = None  # abort and exit when this process stops being our parent
     stats_interval_s: float = 0.5
+    health_host: str = "0.0.0.0"
+    health_port: int = 0  # 0: no health endpoints (a rank pod uses 8001)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < 1 << 16:
@@ -96,8 +92,14 @@ class EngineProcConfig:
 class EngineCoreProc(EngineCore):
     """An EngineCore that serves one client over ZMQ until it is told to stop."""
 
-    def __init__(self, config: EngineConfig, proc_config: EngineProcConfig) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        proc_config: EngineProcConfig,
+        health: HealthServer | None = None,
+    ) -> None:
         self.proc_config = proc_config
+        self.health = health
         self.rank = proc_config.rank
         self.input_queue: queue.SimpleQueue[InputItem] = queue.SimpleQueue()
         self.output_queue: queue.SimpleQueue[OutputItem] = queue.SimpleQueue()
@@ -285,6 +287,8 @@ class EngineCoreProc(EngineCore):
             return True
         if state is ShutdownState.REQUESTED:
             self.shutdown_state = ShutdownState.SHUTTING_DOWN
+            if self.health is not None:
+                self.health.state = EngineState.DRAINING
             self.output_queue.put_nowait(STATS_NOW)  # the client learns "draining" at once
             cfg = self.proc_config
             in_flight = self.get_num_unfinished_requests()
@@ -363,44 +367,3 @@ def _discard(aborts: queue.SimpleQueue[list[str]]) -> None:
             aborts.get_nowait()
         except queue.Empty:
             return
-
-
-def run_engine_core(config: EngineConfig, proc_config: EngineProcConfig) -> int:
-    """The engine process: start, serve, shut down; returns the process exit code.
-
-    SIGTERM/SIGINT while loading stop at once (exit 0); afterwards they start the configured
-    shutdown. A fatal error is logged, sent to the client as ENGINE_CORE_DEAD, and exits 1.
-    """
-    engine: EngineCoreProc | None = None
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        name = signal.Signals(signum).name
-        if engine is None:
-            logger.info("rank %d: %s while starting; exiting", proc_config.rank, name)
-            raise SystemExit(0)
-        logger.info(
-            "rank %d: %s received; shutting down (%s)", engine.rank, name, proc_config.shutdown_mode
-        )
-        engine.request_shutdown()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
-    try:
-        try:
-            engine = EngineCoreProc(config, proc_config)
-        except Exception:
-            logger.exception("engine core rank %d failed to start", proc_config.rank)
-            return 1
-        try:
-            engine.run_busy_loop()
-        except Exception:
-            logger.exception("engine core rank %d hit a fatal error", proc_config.rank)
-            engine.send_engine_dead()
-            return 1
-        logger.info("rank %d: shut down", engine.rank)
-        return 0
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        if engine is not None:
-            engine.shutdown()

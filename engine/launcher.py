@@ -125,6 +125,7 @@ def launch_engine(
             *("--coordinator", bound_address(handshake)),
             *("--rank", "0"),
             *("--parent-pid", str(os.getpid())),
+            *("--health-port", "0"),  # the client watches the process itself
             *("--shutdown-mode", shutdown_mode),
             *("--shutdown-timeout", repr(shutdown_timeout_s)),
             *engine_argv_from_config(config),

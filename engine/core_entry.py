@@ -1,0 +1,74 @@
+"""The engine process's entry point: signals, health endpoints, start, serve, exit code."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from types import FrameType
+
+from corefleet.engine.config import EngineConfig
+from corefleet.engine.core_proc import EngineCoreProc, EngineProcConfig
+from corefleet.engine.health import EngineState, HealthServer
+
+logger = logging.getLogger(__name__)
+
+# The busy loop is Python that holds the GIL between model calls; the socket threads need it
+# for microseconds at a time but would wait up to the default 5 ms switch interval for it,
+# which batches requests into few, late steps (see benchmarks/README.md, IPC overhead).
+ENGINE_SWITCH_INTERVAL_S = 0.0005
+
+
+def run_engine_core(config: EngineConfig, proc_config: EngineProcConfig) -> int:
+    """The engine process: start, serve, shut down; returns the process exit code.
+
+    SIGTERM/SIGINT while loading stop at once (exit 0); afterwards they start the configured
+    shutdown. A fatal error is logged, sent to the client as ENGINE_CORE_DEAD, and exits 1.
+    """
+    engine: EngineCoreProc | None = None
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if engine is None:
+            logger.info("rank %d: %s while starting; exiting", proc_config.rank, name)
+            raise SystemExit(0)
+        logger.info(
+            "rank %d: %s received; shutting down (%s)", engine.rank, name, proc_config.shutdown_mode
+        )
+        engine.request_shutdown()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
+    health = None
+    if proc_config.health_port:  # up before loading: liveness must hold during a long load
+        health = HealthServer(proc_config.health_host, proc_config.health_port, proc_config.rank)
+        health.start()
+    try:
+        try:
+            engine = EngineCoreProc(config, proc_config, health)
+        except Exception:
+            logger.exception("engine core rank %d failed to start", proc_config.rank)
+            return 1
+        _set_state(health, EngineState.READY)
+        try:
+            engine.run_busy_loop()
+        except Exception:
+            _set_state(health, EngineState.FAILED)
+            logger.exception("engine core rank %d hit a fatal error", proc_config.rank)
+            engine.send_engine_dead()
+            return 1
+        _set_state(health, EngineState.STOPPED)
+        logger.info("rank %d: shut down", engine.rank)
+        return 0
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if engine is not None:
+            engine.shutdown()
+        if health is not None:
+            health.stop()
+
+
+def _set_state(health: HealthServer | None, state: EngineState) -> None:
+    if health is not None:
+        health.state = state
