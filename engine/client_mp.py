@@ -72,6 +72,8 @@ class MPClient:
         self._decoder = MsgpackDecoder(EngineCoreOutputs)
         self._send_lock = threading.Lock()
         self._dead_lock = threading.Lock()
+        # call id -> the caller's future; the caller removes its entry when it returns.
+        self._utility_results: dict[int, Future[Any] | asyncio.Future[Any]] = {}
         # Idempotent clean-up, also when the client is garbage-collected or Python exits.
         self._finalizer = weakref.finalize(self, self.resources.shutdown, None)
         proc = self.resources.process
@@ -142,7 +144,16 @@ class MPClient:
         return outputs if outputs.outputs or outputs.finished_requests else None
 
     def _resolve_utility(self, outputs: EngineCoreOutputs) -> None:
-        raise NotImplementedError
+        """Complete the waiting call (a concurrent or an asyncio Future: same methods here)."""
+        reply = outputs.utility_output
+        assert reply is not None
+        future = self._utility_results.get(reply.call_id)
+        if future is None or future.done():  # unknown id, or the caller gave up
+            return
+        if reply.failure_message is not None:
+            future.set_exception(RuntimeError(reply.failure_message))
+        else:
+            future.set_result(reply.result)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine (SIGTERM, then SIGKILL after ``timeout``) and close everything."""
@@ -161,7 +172,6 @@ class SyncMPClient(MPClient, EngineCoreClient):
     def __init__(self, config: EngineConfig, options: MPClientOptions) -> None:
         super().__init__(config, options)
         self.outputs_queue: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
-        self._utility_results: dict[int, Future[Any]] = {}
         self._stop_reading = threading.Event()
         self._reader = threading.Thread(target=self._read_outputs, name="corefleet-outputs")
         self._reader.daemon = True
@@ -190,12 +200,11 @@ class SyncMPClient(MPClient, EngineCoreClient):
         self._utility_results[call_id] = future
         try:
             self._send(self._frames(RequestType.UTILITY, call))
-        except BaseException:
+            if self.dead is not None:  # died between the registration and the send
+                raise self.dead
+            return future.result()
+        finally:
             self._utility_results.pop(call_id, None)
-            raise
-        if self.dead is not None:  # died between the registration and the send
-            raise self.dead
-        return future.result()
 
     def _send(self, frames: list[Any]) -> None:
         self.ensure_alive()
@@ -219,17 +228,6 @@ class SyncMPClient(MPClient, EngineCoreClient):
             outputs = self._on_frames(sock.recv_multipart(copy=False))
             if outputs is not None:
                 self.outputs_queue.put_nowait(outputs)
-
-    def _resolve_utility(self, outputs: EngineCoreOutputs) -> None:
-        reply = outputs.utility_output
-        assert reply is not None
-        future = self._utility_results.pop(reply.call_id, None)
-        if future is None or future.done():
-            return
-        if reply.failure_message is not None:
-            future.set_exception(RuntimeError(reply.failure_message))
-        else:
-            future.set_result(reply.result)
 
     def _deliver_dead(self, error: EngineDeadError) -> None:
         self.outputs_queue.put_nowait(error)
@@ -256,7 +254,6 @@ class AsyncMPClient(MPClient, AsyncEngineCoreClient):
         self._output = zmq.asyncio.Socket.from_socket(self.output_socket)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
-        self._utility_results: dict[int, asyncio.Future[Any]] = {}
         self._reader: asyncio.Task[None] | None = None
 
     def _start(self) -> asyncio.Queue[EngineCoreOutputs | EngineDeadError]:
@@ -318,17 +315,6 @@ class AsyncMPClient(MPClient, AsyncEngineCoreClient):
             outputs = self._on_frames(await self._output.recv_multipart(copy=False))
             if outputs is not None:
                 self._queue.put_nowait(outputs)
-
-    def _resolve_utility(self, outputs: EngineCoreOutputs) -> None:
-        reply = outputs.utility_output
-        assert reply is not None
-        future = self._utility_results.get(reply.call_id)
-        if future is None or future.done():  # e.g. the caller was cancelled
-            return
-        if reply.failure_message is not None:
-            future.set_exception(RuntimeError(reply.failure_message))
-        else:
-            future.set_result(reply.result)
 
     def _deliver_dead(self, error: EngineDeadError) -> None:
         loop = self._loop

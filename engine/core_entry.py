@@ -41,8 +41,20 @@ def run_engine_core(config: EngineConfig, proc_config: EngineProcConfig) -> int:
     sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
     health = None
     if proc_config.health_port:  # up before loading: liveness must hold during a long load
-        health = HealthServer(proc_config.health_host, proc_config.health_port, proc_config.rank)
-        health.start()
+        try:
+            health = HealthServer(
+                proc_config.health_host, proc_config.health_port, proc_config.rank
+            ).start()
+        except OSError as exc:
+            logger.error(
+                "rank %d: cannot serve health endpoints on %s:%d (%s); choose another "
+                "--health-port, or 0 to turn them off",
+                proc_config.rank,
+                proc_config.health_host,
+                proc_config.health_port,
+                exc,
+            )
+            return 2
     try:
         try:
             engine = EngineCoreProc(config, proc_config, health)

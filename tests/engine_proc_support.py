@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import zmq
+
 from corefleet.engine.client import EngineCoreClient, InprocClient
 from corefleet.engine.config import EngineConfig
+from corefleet.engine.engine_args import engine_argv_from_config
+from corefleet.engine.handshake import HandshakeServer
+from corefleet.engine.net import bound_address, make_socket
 from corefleet.engine.protocol import EngineCoreRequest, FinishReason, SamplingParams
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -83,3 +92,46 @@ def reference_tokens(model: Path, prompts: list[list[int]], max_tokens: int) -> 
         return generate(client, prompts, max_tokens)
     finally:
         client.shutdown()
+
+
+@dataclass
+class BareEngine:
+    """An ``engine-core`` process and the three bound sockets a server would own."""
+
+    process: subprocess.Popen[bytes]
+    handshake: zmq.Socket
+    inputs: zmq.Socket
+    outputs: zmq.Socket
+
+    def serve_handshake(self, rank: int = 0) -> None:
+        server = HandshakeServer(
+            self.handshake, self.inputs, bound_address(self.inputs), bound_address(self.outputs)
+        )
+        server.wait_for_engine(rank, self.process)
+
+
+@contextlib.contextmanager
+def bare_engine(model: Path, *flags: str) -> Iterator[BareEngine]:
+    """Run ``corefleet engine-core`` against sockets the test owns (no client around it)."""
+    ctx = zmq.Context()
+    handshake, inputs, outputs = (
+        make_socket(ctx, kind, "tcp://127.0.0.1:0", bind=True)
+        for kind in (zmq.ROUTER, zmq.ROUTER, zmq.PULL)
+    )
+    argv = [
+        sys.executable,
+        *(["-P"] if sys.version_info >= (3, 11) else []),
+        *("-m", "corefleet.engine.cli", "engine-core"),
+        *("--coordinator", bound_address(handshake)),
+        *flags,
+        *engine_argv_from_config(tiny_config(model)),
+    ]
+    process = subprocess.Popen(argv)
+    try:
+        yield BareEngine(process, handshake, inputs, outputs)
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+        for sock in (handshake, inputs, outputs):
+            sock.close(linger=0)
+        ctx.term()

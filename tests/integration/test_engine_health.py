@@ -6,8 +6,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -16,12 +14,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from corefleet.engine.engine_args import engine_argv_from_config
-from corefleet.engine.handshake import HandshakeServer, rank_identity
-from corefleet.engine.net import bound_address, make_socket
-from corefleet.engine.protocol import EngineCoreRequest, RequestType
-from corefleet.engine.serial import MsgpackEncoder
-from tests.engine_proc_support import greedy, tiny_config
+from corefleet.engine.handshake import rank_identity
+from corefleet.engine.protocol import EngineCoreOutputs, EngineCoreRequest, RequestType
+from corefleet.engine.serial import MsgpackDecoder, MsgpackEncoder
+from tests.engine_proc_support import bare_engine, greedy
 from tests.fixtures_models import write_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -55,47 +51,38 @@ def _wait_for_state(port: int, state: str, timeout: float = 30.0) -> None:
     raise TimeoutError(f"state {state!r} not reached in {timeout} s (last seen {seen!r})")
 
 
+def _wait_for_tokens(outputs: zmq.Socket, timeout: float = 10.0) -> None:
+    """Until a message with generated tokens arrives (stats-only messages come first)."""
+    decoder = MsgpackDecoder(EngineCoreOutputs)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if outputs.poll(100) and decoder.decode(outputs.recv_multipart(copy=False)).outputs:
+            return
+    raise TimeoutError(f"no tokens in {timeout} s")
+
+
 def test_health_and_readiness_follow_the_engine(tmp_path: Path) -> None:
-    model = write_tiny_llama(tmp_path / "m")
     port = _free_port()
-    ctx = zmq.Context()
-    handshake, inputs, outputs = (
-        make_socket(ctx, kind, "tcp://127.0.0.1:0", bind=True)
-        for kind in (zmq.ROUTER, zmq.ROUTER, zmq.PULL)
-    )
-    argv = [
-        sys.executable,
-        *(["-P"] if sys.version_info >= (3, 11) else []),
-        *("-m", "corefleet.engine.cli", "engine-core"),
-        *("--coordinator", bound_address(handshake), "--rank", "3"),
-        *("--health-host", "127.0.0.1", "--health-port", str(port)),
-        *("--shutdown-mode", "drain", "--shutdown-timeout", "60"),
-        *engine_argv_from_config(tiny_config(model)),
-    ]
-    proc = subprocess.Popen(argv)
-    try:
+    flags = ("--rank", "3", "--health-host", "127.0.0.1", "--health-port", str(port))
+    drain = ("--shutdown-mode", "drain", "--shutdown-timeout", "60")
+    with bare_engine(write_tiny_llama(tmp_path / "m"), *flags, *drain) as engine:
         # Waiting for its INIT, the rank is alive but not ready.
         _wait_for_state(port, "starting")
         assert _get(port, "/health") == (200, {"rank": 3, "state": "starting"})
         assert _get(port, "/ready")[0] == 503
         assert _get(port, "/metrics")[0] == 404
 
-        server = HandshakeServer(handshake, inputs, bound_address(inputs), bound_address(outputs))
-        server.wait_for_engine(3, proc)
+        engine.serve_handshake(rank=3)
         _wait_for_state(port, "ready", timeout=5)
         assert _get(port, "/ready")[0] == 200 and _get(port, "/health")[0] == 200
 
-        # With a long request in flight, SIGTERM drains: alive, no longer ready.
-        request = EngineCoreRequest("long", [5, 6, 7], greedy(250))
-        encoded = MsgpackEncoder().encode(request)
-        inputs.send_multipart([rank_identity(3), RequestType.ADD.value, *encoded])
-        assert outputs.poll(10_000), "the request produced no output"
-        os.kill(proc.pid, signal.SIGTERM)
+        # With work in flight (seconds of it), SIGTERM drains: alive, no longer ready.
+        encoder = MsgpackEncoder()
+        for i in range(128):
+            request = encoder.encode(EngineCoreRequest(f"long{i}", [5, 6, i], greedy(250)))
+            engine.inputs.send_multipart([rank_identity(3), RequestType.ADD.value, *request])
+        _wait_for_tokens(engine.outputs)
+        os.kill(engine.process.pid, signal.SIGTERM)
         _wait_for_state(port, "draining", timeout=5)
         assert _get(port, "/ready")[0] == 503 and _get(port, "/health")[0] == 200
-        assert proc.wait(timeout=30) == 0
-    finally:
-        proc.kill()
-        for sock in (handshake, inputs, outputs):
-            sock.close(linger=0)
-        ctx.term()
+        assert engine.process.wait(timeout=30) == 0
