@@ -41,3 +41,14 @@ class SlowStartExecutor(NullExecutor):
         super().__init__(config, model_path)
         Path(os.environ[PID_FILE_ENV]).write_text(str(os.getpid()))
         time.sleep(60)
+
+
+class SlowNullExecutor(NullExecutor):
+    """No model, but every step takes 10 ms: shutdown tests get a predictable amount of work
+    in flight, however fast the machine is."""
+
+    STEP_S = 0.01
+
+    def _step(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        time.sleep(self.STEP_S)
+        return super()._step(so)

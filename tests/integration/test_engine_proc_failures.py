@@ -50,6 +50,15 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "m")
 
 
+SLOW = "tests.engine_faults:SlowNullExecutor"  # 10 ms per step, whatever the machine
+
+
+def _start_slow(tiny: Path, folder: Path, **options: Any) -> SyncMPClient:
+    """An engine whose steps take 10 ms, so "in flight" lasts as long as a test needs."""
+    engine_args = {"distributed_executor_backend": SLOW, **options.pop("engine_args", {})}
+    return _start(tiny, extra_env=child_env(folder), engine_args=engine_args, **options)
+
+
 def _start(tiny: Path, **options: Any) -> SyncMPClient:
     engine_args = options.pop("engine_args", {})
     return SyncMPClient(tiny_config(tiny, **engine_args), MPClientOptions(**options))
@@ -79,8 +88,10 @@ def _start_in_flight(client: SyncMPClient, n: int, max_tokens: int) -> dict[str,
     return tokens
 
 
-def test_sigterm_drain_finishes_in_flight_requests_and_refuses_new_ones(tiny: Path) -> None:
-    client = _start(tiny, shutdown_mode="drain", shutdown_timeout_s=60)
+def test_sigterm_drain_finishes_in_flight_requests_and_refuses_new_ones(
+    tiny: Path, tmp_path: Path
+) -> None:
+    client = _start_slow(tiny, tmp_path, shutdown_mode="drain", shutdown_timeout_s=60)
     try:
         early = _start_in_flight(client, 4, max_tokens=150)
         os.kill(_pid(client), signal.SIGTERM)
@@ -99,8 +110,10 @@ def test_sigterm_drain_finishes_in_flight_requests_and_refuses_new_ones(tiny: Pa
         client.shutdown()
 
 
-def test_sigterm_abort_finishes_everything_with_abort_within_a_second(tiny: Path) -> None:
-    client = _start(tiny, shutdown_mode="abort")
+def test_sigterm_abort_finishes_everything_with_abort_within_a_second(
+    tiny: Path, tmp_path: Path
+) -> None:
+    client = _start_slow(tiny, tmp_path, shutdown_mode="abort")
     try:
         in_flight = _start_in_flight(client, 4, max_tokens=200)
         signalled = time.monotonic()
@@ -114,16 +127,28 @@ def test_sigterm_abort_finishes_everything_with_abort_within_a_second(tiny: Path
         client.shutdown()
 
 
-def test_drain_timeout_aborts_what_is_left_and_exits(tiny: Path) -> None:
-    client = _start(tiny, shutdown_mode="drain", shutdown_timeout_s=1.0)
+def test_drain_timeout_aborts_what_is_left_and_exits(tiny: Path, tmp_path: Path) -> None:
+    # One request at a time, 32 of 250 tokens at 10 ms a step: far more than a 1 s drain.
+    client = _start_slow(
+        tiny,
+        tmp_path,
+        shutdown_mode="drain",
+        shutdown_timeout_s=1.0,
+        engine_args={"max_num_seqs": 1},
+    )
     try:
-        # 64 requests of 250 tokens take far longer than the 1 s drain allows.
-        in_flight = _start_in_flight(client, 64, max_tokens=250)
+        ids = [f"q{i}" for i in range(32)]
+        for request_id in ids:
+            client.add_request(EngineCoreRequest(request_id, PROMPTS[0], greedy(250)))
+        while not client.get_output(10).outputs:
+            pass  # the first request is running
         signalled = time.monotonic()
         os.kill(_pid(client), signal.SIGTERM)
-        results = collect(client, set(in_flight), timeout=20)
+        results = collect(client, set(ids), timeout=20)
         assert 0.9 < time.monotonic() - signalled < 5.0
-        assert {r.reason for r in results.values()} == {FinishReason.ABORT}
+        reasons = [results[i].reason for i in ids]
+        assert set(reasons) <= {FinishReason.LENGTH, FinishReason.ABORT}
+        assert reasons[-1] is FinishReason.ABORT  # the queue was cut, not served
         assert client.resources.process is not None
         assert client.resources.process.wait(timeout=10) == 0
     finally:
@@ -145,8 +170,8 @@ def test_a_silent_engine_is_declared_dead_after_the_heartbeat_timeout(tiny: Path
         client.shutdown()
 
 
-def test_sigkill_fails_every_pending_call_with_engine_dead(tiny: Path) -> None:
-    client = _start(tiny)
+def test_sigkill_fails_every_pending_call_with_engine_dead(tiny: Path, tmp_path: Path) -> None:
+    client = _start_slow(tiny, tmp_path)
     errors: list[BaseException] = []
 
     def call(fn: Callable[[], object]) -> None:
