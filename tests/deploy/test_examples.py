@@ -1,0 +1,397 @@
+"""Every manifest in examples/ is one a cluster would accept, and the files agree with each other.
+
+- Built-in kinds: the Kubernetes JSON schemas of `K8S_VERSION`, strict (unknown fields fail).
+- InferenceEngine: the CRD's schema and CEL rules (`crdcheck`), no field the CRD lacks, the
+  operator's own parser, and the children the operator would build from it (strict schemas too,
+  since the CRD passes resources, tolerations and volumes through verbatim).
+- KEDA, Argo CD and Prometheus Operator kinds, whose schemas are not at hand: their essentials
+  by hand. Autoscalers must target an engine defined here, at a version the CRD serves.
+- kustomization.yaml: its resources exist, and its rendering validates like the files.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from corefleet.engine.models.default_model import DEFAULT_GGUF_NAME
+from corefleet.operator import resources
+from corefleet.operator.naming import Owner, coordinator_name
+from corefleet.operator.spec import API_VERSION, GROUP, KIND, EngineSpec, InvalidSpec, parse_spec
+from tests.deploy.tools import CRD_FILE, REPO, run
+from tests.unit.operator import crdcheck
+
+EXAMPLES = REPO / "examples"
+K8S_VERSION = "1.30"  # the oldest Kubernetes the examples are meant for
+WAITING = "vllm:num_requests_waiting"
+
+CRD = yaml.safe_load(CRD_FILE.read_text())
+SERVED = {f"{GROUP}/{v['name']}" for v in CRD["spec"]["versions"] if v["served"]}
+MAX_RANKS = crdcheck.SCHEMA["properties"]["spec"]["properties"]["dataParallelSize"]["maximum"]
+
+# Kinds whose schemas kubernetes-validate does not have; each has its own checks below.
+ENGINE = (API_VERSION, KIND)
+SCALED_OBJECT = ("keda.sh/v1alpha1", "ScaledObject")
+APPLICATION = ("argoproj.io/v1alpha1", "Application")
+SERVICE_MONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
+KUSTOMIZATION = ("kustomize.config.k8s.io/v1beta1", "Kustomization")
+HAND_CHECKED = {ENGINE, SCALED_OBJECT, APPLICATION, SERVICE_MONITOR, KUSTOMIZATION}
+
+FILES = sorted(EXAMPLES.glob("*.yaml"))
+
+
+def _load(path: Path) -> list[Any]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def _collect() -> list[tuple[str, int, Any]]:
+    out = []
+    for path in FILES:
+        try:
+            docs = _load(path)
+        except yaml.YAMLError:
+            continue  # test_every_file_parses names the file
+        out += [(path.name, i, doc) for i, doc in enumerate(docs)]
+    return out
+
+
+DOCS = _collect()
+
+
+def _key(doc: Any) -> tuple[str, str]:
+    return (doc.get("apiVersion", ""), doc.get("kind", "")) if isinstance(doc, dict) else ("", "")
+
+
+def _name(doc: Mapping[str, Any]) -> str:
+    return str((doc.get("metadata") or {}).get("name", ""))
+
+
+def _id(file: str, index: int, doc: Any) -> str:
+    name = _name(doc) if isinstance(doc, dict) else ""
+    return f"{file}#{index}:{_key(doc)[1] or '?'}" + (f"/{name}" if name else "")
+
+
+def _params(*keys: tuple[str, str]) -> list[Any]:
+    """The documents of the given kinds (all when none given), one test id per document."""
+    return [
+        pytest.param(doc, id=_id(file, i, doc))
+        for file, i, doc in DOCS
+        if not keys or _key(doc) in keys
+    ]
+
+
+def _builtin_params() -> list[Any]:
+    return [
+        pytest.param(doc, id=_id(file, i, doc))
+        for file, i, doc in DOCS
+        if _key(doc) not in HAND_CHECKED
+    ]
+
+
+ENGINES: dict[str, Mapping[str, Any]] = {
+    _name(doc): doc for _, _, doc in DOCS if _key(doc)[1] == KIND
+}
+
+
+# -- shared checks -------------------------------------------------------------------------
+
+
+def k8s_errors(obj: Mapping[str, Any]) -> list[str]:
+    """Why the Kubernetes schemas refuse `obj` (strict: unknown fields too)."""
+    try:
+        kubernetes_validate.validate(dict(obj), K8S_VERSION, strict=True)
+    except kubernetes_validate.SchemaNotFoundError as exc:
+        return [exc.message]
+    except kubernetes_validate.ValidationError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        return [f"{exc.message} (at /{where})"]
+    return []
+
+
+def unknown_fields(value: Any, schema: Mapping[str, Any], path: str = "") -> Iterator[str]:
+    """Fields the CRD does not declare: kubectl's strict field validation refuses them, and
+    without it the API server drops them silently."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return
+    if isinstance(value, dict):
+        props = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        for key, sub in value.items():
+            if props is not None and key in props:
+                yield from unknown_fields(sub, props[key], f"{path}.{key}")
+            elif isinstance(extra, dict):
+                yield from unknown_fields(sub, extra, f"{path}.{key}")
+            elif props is not None:
+                yield f"{path}.{key}"
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(value):
+            yield from unknown_fields(item, schema["items"], f"{path}[{i}]")
+
+
+def engine_errors(doc: Mapping[str, Any]) -> list[str]:
+    """Why the API server (schema, CEL, unknown fields) would refuse an InferenceEngine."""
+    found = list(crdcheck.errors(doc))
+    found += [f"unknown field {f}" for f in unknown_fields(doc, crdcheck.SCHEMA)]
+    if doc.get("apiVersion") not in SERVED:
+        found.append(f"apiVersion {doc.get('apiVersion')!r} is not served ({sorted(SERVED)})")
+    return found
+
+
+def parsed(doc: Mapping[str, Any]) -> EngineSpec:
+    """The operator's view of the engine, both as written and as the API server defaults it."""
+    try:
+        parse_spec(crdcheck.defaulted(doc)["spec"])
+        return parse_spec(doc["spec"])
+    except InvalidSpec as exc:
+        pytest.fail(f"the operator refuses {_name(doc)}: {exc}")
+
+
+def adapter_name(series: str) -> str:
+    """The custom-metrics name prometheus-adapter-rules.yaml gives a Prometheus series."""
+    for rule in adapter_rules():
+        if series in rule["seriesQuery"]:
+            as_ = rule["name"]["as"].replace("${1}", r"\1")
+            return re.sub(rule["name"]["matches"], as_, series)
+    pytest.fail(f"no rule in prometheus-adapter-rules.yaml publishes {series}")
+
+
+def adapter_rules() -> list[dict[str, Any]]:
+    (config,) = [
+        doc
+        for doc in _load(EXAMPLES / "prometheus-adapter-rules.yaml")
+        if doc.get("kind") == "ConfigMap"
+    ]
+    return list(yaml.safe_load(config["data"]["config.yaml"])["rules"])
+
+
+def target_engine(ref: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The InferenceEngine a scaleTargetRef names: one defined in examples/, at a served version."""
+    assert ref.get("kind") == KIND, ref
+    assert ref.get("apiVersion") in SERVED, f"{ref.get('apiVersion')} is not served by the CRD"
+    assert ref.get("name") in ENGINES, f"{ref.get('name')!r} is no InferenceEngine in examples/"
+    return ENGINES[ref["name"]]
+
+
+def assert_slow_scale_down(behavior: Mapping[str, Any], engine: Mapping[str, Any]) -> None:
+    """Ranks leave slowly: the window outlasts a drain, and at most one rank per period."""
+    down = behavior["scaleDown"]
+    drain = parsed(engine).shutdown.effective_timeout_seconds
+    assert down["stabilizationWindowSeconds"] >= max(300, drain), down
+    assert all(p["type"] == "Pods" and p["value"] == 1 for p in down["policies"]), down
+
+
+# -- every file, every document --------------------------------------------------------------
+
+
+def test_examples_exist() -> None:
+    names = {p.name for p in FILES}
+    assert {"smollm2-cpu.yaml", "llama-gpu.yaml", "hpa.yaml", "kustomization.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
+def test_every_file_parses(path: Path) -> None:
+    docs = _load(path)
+    assert docs, f"{path.name} has no document"
+    for doc in docs:
+        assert isinstance(doc, dict), f"{path.name}: a document is not a mapping"
+
+
+@pytest.mark.parametrize("doc", _params())
+def test_every_document_has_a_kind_and_a_name(doc: Mapping[str, Any]) -> None:
+    api_version, kind = _key(doc)
+    assert api_version and kind
+    if (api_version, kind) != KUSTOMIZATION:
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", _name(doc)), doc.get("metadata")
+
+
+@pytest.mark.parametrize("doc", _builtin_params())
+def test_builtin_kind_is_valid_kubernetes(doc: Mapping[str, Any]) -> None:
+    assert k8s_errors(doc) == []
+
+
+def test_readme_lists_every_file() -> None:
+    readme = (EXAMPLES / "README.md").read_text()
+    missing = [p.name for p in FILES if f"`{p.name}`" not in readme]
+    assert missing == [], f"examples/README.md does not mention {missing}"
+
+
+# -- InferenceEngine -------------------------------------------------------------------------
+
+
+def test_engine_names_are_unique() -> None:
+    names = [_name(doc) for _, _, doc in DOCS if _key(doc)[1] == KIND]
+    assert sorted(names) == sorted(ENGINES)
+    assert {"smollm2", "llama"} <= set(ENGINES)
+
+
+@pytest.mark.parametrize("doc", _params(ENGINE))
+def test_engine_passes_the_crd(doc: Mapping[str, Any]) -> None:
+    assert engine_errors(doc) == []
+
+
+@pytest.mark.parametrize("doc", _params(ENGINE))
+def test_engine_parses_and_its_children_are_valid_kubernetes(doc: Mapping[str, Any]) -> None:
+    spec = parsed(doc)
+    owner = Owner(name=_name(doc), namespace="default", uid="0b1c2d3e-uid")
+    children = [*resources.build_children(owner, spec), resources.build_engine_pod(owner, spec, 0)]
+    for child in children:
+        assert k8s_errors(child) == [], f"{child['kind']} {child['metadata']['name']}"
+
+
+@pytest.mark.parametrize("doc", _params(ENGINE))
+def test_engine_model_comes_from_the_image_or_a_claim_in_the_same_file(
+    doc: Mapping[str, Any],
+) -> None:
+    model = parsed(doc).model
+    if model.volume is None:
+        # Nothing mounted: the path is inside the image, whose only model is the embedded one.
+        assert model.path.endswith("/" + DEFAULT_GGUF_NAME), model.path
+        return
+    claim = (model.volume.get("persistentVolumeClaim") or {}).get("claimName")
+    if claim is not None:
+        (file,) = [f for f, _, d in DOCS if d is doc]
+        claims = {
+            _name(d) for f, _, d in DOCS if f == file and d["kind"] == "PersistentVolumeClaim"
+        }
+        assert claim in claims, f"{file} mounts claim {claim!r} but does not define it"
+
+
+@pytest.mark.parametrize("doc", _params(ENGINE))
+def test_engine_api_key_secret_is_defined_or_its_creation_explained(
+    doc: Mapping[str, Any],
+) -> None:
+    ref = parsed(doc).coordinator.api_key_secret_ref
+    if ref is None:
+        return
+    (file,) = [f for f, _, d in DOCS if d is doc]
+    secrets = {_name(d) for _, _, d in DOCS if d["kind"] == "Secret"}
+    text = (EXAMPLES / file).read_text()
+    create = f"kubectl create secret generic {ref.name} --from-literal={ref.key}="
+    assert ref.name in secrets or create in text, f"{file}: say how to create Secret {ref.name}"
+
+
+# -- autoscalers -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("doc", _params(("autoscaling/v2", "HorizontalPodAutoscaler")))
+def test_hpa_scales_an_example_engine_on_the_waiting_queue(doc: Mapping[str, Any]) -> None:
+    spec = doc["spec"]
+    engine = target_engine(spec["scaleTargetRef"])
+    assert 1 <= spec["minReplicas"] <= spec["maxReplicas"] <= MAX_RANKS
+    queue = [m["object"] for m in spec["metrics"] if m["type"] == "Object"]
+    assert queue, "no Object metric"
+    for metric in queue:
+        # The coordinator Service the operator creates for that engine, under the adapter's name.
+        assert metric["describedObject"] == {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "name": coordinator_name(_name(engine)),
+        }
+        assert metric["metric"]["name"] == adapter_name(WAITING)
+    assert_slow_scale_down(spec["behavior"], engine)
+
+
+def test_adapter_rule_renames_the_waiting_gauge_to_a_legal_name() -> None:
+    name = adapter_name(WAITING)
+    assert name == "vllm_num_requests_waiting"
+    (rule,) = [r for r in adapter_rules() if WAITING in r["seriesQuery"]]
+    assert rule["resources"]["overrides"]["service"] == {"resource": "service"}
+    assert "<<.LabelMatchers>>" in rule["metricsQuery"]
+
+
+@pytest.mark.parametrize("doc", _params(SCALED_OBJECT))
+def test_keda_scales_an_example_engine_on_the_waiting_queue(doc: Mapping[str, Any]) -> None:
+    spec = doc["spec"]
+    engine = target_engine(spec["scaleTargetRef"])
+    assert 0 <= spec["minReplicaCount"] <= spec["maxReplicaCount"] <= MAX_RANKS
+    assert spec["cooldownPeriod"] > 0 and spec["pollingInterval"] > 0
+    (trigger,) = [t for t in spec["triggers"] if t["type"] == "prometheus"]
+    meta = trigger["metadata"]
+    assert re.match(r"https?://", meta["serverAddress"])
+    assert meta["query"].startswith(f"sum({WAITING}{{")
+    assert f'service="{coordinator_name(_name(engine))}"' in meta["query"]
+    assert float(meta["threshold"]) > 0
+    assert_slow_scale_down(spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"], engine)
+
+
+def test_each_engine_has_at_most_one_autoscaler() -> None:
+    targets = [
+        doc["spec"]["scaleTargetRef"]["name"]
+        for _, _, doc in DOCS
+        if doc["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")
+    ]
+    assert len(targets) == len(set(targets)), targets
+
+
+@pytest.mark.parametrize("doc", _params(SERVICE_MONITOR))
+def test_service_monitor_selects_a_coordinator_service_by_its_labels(
+    doc: Mapping[str, Any],
+) -> None:
+    labels = doc["spec"]["selector"]["matchLabels"]
+    engine = ENGINES[labels["corefleet.dev/engine"]]
+    owner = Owner(name=_name(engine), namespace="default", uid="0b1c2d3e-uid")
+    service = resources.build_coordinator_service(owner, parsed(engine))
+    assert labels.items() <= service["metadata"]["labels"].items()
+    ports = {p["name"] for p in service["spec"]["ports"]}
+    for endpoint in doc["spec"]["endpoints"]:
+        assert endpoint["port"] in ports and endpoint["path"] == "/metrics"
+
+
+# -- GitOps ----------------------------------------------------------------------------------
+
+
+def _kustomization() -> dict[str, Any]:
+    return dict(yaml.safe_load((EXAMPLES / "kustomization.yaml").read_text()))
+
+
+def test_kustomization_resources_exist() -> None:
+    for entry in _kustomization()["resources"]:
+        path = (EXAMPLES / entry).resolve()
+        assert path.exists(), entry
+        # kustomize refuses files outside the kustomization's folder unless told otherwise.
+        assert path.is_dir() or path.parent == EXAMPLES, entry
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_kustomization_renders_valid_manifests_without_the_rank_count() -> None:
+    out = run("kubectl", "kustomize", str(EXAMPLES)).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d is not None]
+    engines = {_name(d): d for d in docs if _key(d) == ENGINE}
+    assert engines, "the kustomization deploys no InferenceEngine"
+    for doc in docs:
+        if _key(doc) == ENGINE:
+            assert engine_errors(doc) == [], _name(doc)
+            parsed(doc)
+        else:
+            assert k8s_errors(doc) == [], f"{doc['kind']} {_name(doc)}"
+    for doc in docs:
+        if doc["kind"] == "HorizontalPodAutoscaler":
+            target = doc["spec"]["scaleTargetRef"]["name"]
+            assert target in engines, f"the HPA targets {target}, which is not in the render"
+            # The autoscaler owns the rank count: git must not hold it.
+            assert "dataParallelSize" not in engines[target]["spec"]
+
+
+@pytest.mark.parametrize("doc", _params(APPLICATION))
+def test_argocd_application_leaves_the_rank_count_to_the_autoscaler(
+    doc: Mapping[str, Any],
+) -> None:
+    spec = doc["spec"]
+    assert (REPO / spec["source"]["path"] / "kustomization.yaml").is_file()
+    assert spec["destination"]["server"] and spec["destination"]["namespace"]
+    ignored = [
+        d
+        for d in spec["ignoreDifferences"]
+        if d.get("group") == GROUP
+        and d.get("kind") == KIND
+        and "/spec/dataParallelSize" in d.get("jsonPointers", ())
+    ]
+    assert ignored, "no ignoreDifferences on the InferenceEngine's /spec/dataParallelSize"
+    assert "RespectIgnoreDifferences=true" in spec["syncPolicy"]["syncOptions"]
