@@ -2,8 +2,8 @@
 #
 # corefleet container images. Two targets share one wheel built once in `builder`:
 #
-#   docker build --target operator -t corefleet-operator .   # slim, no torch
-#   docker build --target engine   -t corefleet-engine   .   # CUDA + torch + flash-attn
+#   docker build --target operator -t ghcr.io/corefleet/corefleet-operator:0.1.0 .  # no torch
+#   docker build --target engine   -t ghcr.io/corefleet/corefleet:0.1.0 .           # CUDA, torch
 #
 # The engine image runs every engine-side pod: the rank pods (`corefleet engine-core`, health
 # on 8001) and the coordinator (`corefleet coordinator`, HTTP 8000, ZMQ 5570-5572). The operator
