@@ -1,0 +1,1 @@
+"""The coordinator: rank membership, load balancing and the OpenAI-compatible HTTP API."""

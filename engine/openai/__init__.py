@@ -1,0 +1,1 @@
+"""The OpenAI-compatible API: request and response models, validation, conversion."""
