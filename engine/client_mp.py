@@ -126,7 +126,7 @@ class MPClient:
 
     def _on_frames(self, frames: list[zmq.Frame]) -> EngineCoreOutputs | None:
         """Decode one engine message; returns outputs worth queueing, None otherwise."""
-        if len(frames) == 1 and frames[0].bytes == ENGINE_CORE_DEAD:
+        if frames[0].bytes == ENGINE_CORE_DEAD:
             self.mark_dead("the engine core hit a fatal error (ENGINE_CORE_DEAD)")
             return None
         try:

@@ -209,7 +209,7 @@ class OutputThread(threading.Thread):
                 if item is None:
                     return
                 if item == ENGINE_CORE_DEAD:
-                    sock.send(ENGINE_CORE_DEAD)
+                    sock.send_multipart([ENGINE_CORE_DEAD, self.engine_index.to_bytes(2, "little")])
                     return
                 outputs = self._merge_backlog(item) if isinstance(item, tuple) else None
                 outputs = outputs or EngineCoreOutputs()

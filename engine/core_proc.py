@@ -105,6 +105,7 @@ class EngineCoreProc(EngineCore):
         self.output_queue: queue.SimpleQueue[OutputItem] = queue.SimpleQueue()
         self.shutdown_state = ShutdownState.RUNNING
         self._force_abort = False
+        self._exiting = False  # set by shutdown(): the last stats say the rank has left
         self._drain_deadline: float | None = None
         self._wake = threading.Event()
         self.ctx: zmq.Context = zmq.Context()
@@ -258,6 +259,7 @@ class EngineCoreProc(EngineCore):
             prefix_cache_hit_rate=stats.prefix_cache_hits / queries if queries else 0.0,
             draining=self.shutdown_state is not ShutdownState.RUNNING,
             step_counter=stats.step_counter,
+            exiting=self._exiting,
         )
 
     def request_shutdown(self) -> None:
@@ -342,6 +344,8 @@ class EngineCoreProc(EngineCore):
         """Stop the socket threads (outputs already queued are sent first), then the executor."""
         self.complete_idle_waiters()
         self.input_thread.stop_event.set()
+        self._exiting = True
+        self.output_queue.put_nowait(STATS_NOW)  # "I have left": no wait for a heartbeat timeout
         self.output_queue.put_nowait(None)
         self.input_thread.join(timeout=2.0)
         self.output_thread.join(timeout=5.0)

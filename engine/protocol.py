@@ -15,7 +15,8 @@ import msgspec
 # Bumped whenever a message changes incompatibly; a HELLO with another version is refused.
 PROTOCOL_VERSION = 1
 
-# The one frame an engine sends before it exits on a fatal error.
+# The first frame of the last message an engine sends on a fatal error; the second frame is
+# the rank (2 bytes, little endian), so a coordinator with many ranks knows which one died.
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 
 
@@ -195,6 +196,7 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     prefix_cache_hit_rate: float = 0.0  # cumulative hits / queries, 0..1
     draining: bool = False  # shutting down: send no new requests
     step_counter: int = 0
+    exiting: bool = False  # the last message of a clean shutdown: the rank has left
 
 
 class ReadyResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

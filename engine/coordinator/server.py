@@ -1,0 +1,190 @@
+"""The coordinator's side of the wire: three bound sockets, membership kept current, outputs out.
+
+    handshake ROUTER (port 5570, the Service port ranks dial)   HELLO / READY in, INIT out
+    input ROUTER     (port 5571, advertised in INIT)            requests out, ReadyResponse in
+    output PULL      (port 5572, advertised in INIT)            outputs, stats, ENGINE_CORE_DEAD in
+
+Ranks only connect, so the coordinator needs no list of ranks: whoever says HELLO joins. Every
+message from a rank counts as a heartbeat; a rank silent past the timeout is declared dead.
+Callers get two callbacks: outputs (with the rank that sent them) and rank deaths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from corefleet.engine.coordinator.membership import Membership, RankMember
+from corefleet.engine.handshake import rank_identity
+from corefleet.engine.net import CurveKeys, make_socket, start_authenticator
+from corefleet.engine.protocol import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutputs,
+    HandshakeMessage,
+    Hello,
+    Ready,
+    ReadyResponse,
+    RequestType,
+)
+from corefleet.engine.serial import MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger(__name__)
+
+OutputsCallback = Callable[[int, EngineCoreOutputs], None]
+DeathCallback = Callable[[RankMember], None]
+_DECODE_ERRORS = (msgspec.MsgspecError, ValueError, TypeError)
+
+
+class FleetServer:
+    """Binds the coordinator's sockets on ``bind_host`` and advertises ``advertise_host``."""
+
+    def __init__(
+        self,
+        bind_host: str,
+        advertise_host: str,
+        ports: tuple[int, int, int] = (5570, 5571, 5572),
+        *,
+        on_outputs: OutputsCallback,
+        on_rank_dead: DeathCallback,
+        curve: CurveKeys | None = None,
+        heartbeat_timeout_s: float = 10.0,
+    ) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.authenticator = start_authenticator(self.ctx, curve) if curve else None
+        handshake_port, input_port, output_port = ports
+
+        def bind(kind: int, port: int) -> zmq.asyncio.Socket:
+            address = f"tcp://{bind_host}:{port}"
+            # An asyncio context makes asyncio sockets; make_socket is typed for the sync ones.
+            return cast(
+                zmq.asyncio.Socket, make_socket(self.ctx, kind, address, bind=True, curve=curve)
+            )
+
+        self.handshake = bind(zmq.ROUTER, handshake_port)
+        self.inputs = bind(zmq.ROUTER, input_port)
+        self.outputs = bind(zmq.PULL, output_port)
+        self.inputs.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone rank must fail loudly
+        self.ports = tuple(_port(s) for s in (self.handshake, self.inputs, self.outputs))
+        self.membership = Membership(
+            input_address=f"tcp://{advertise_host}:{self.ports[1]}",
+            output_address=f"tcp://{advertise_host}:{self.ports[2]}",
+            heartbeat_timeout_s=heartbeat_timeout_s,
+        )
+        self.on_outputs = on_outputs
+        self.on_rank_dead = on_rank_dead
+        self._encoder = MsgpackEncoder()
+        self._handshake_decoder = msgspec.msgpack.Decoder(HandshakeMessage)
+        self._ready_decoder = MsgpackDecoder(ReadyResponse)
+        self._outputs_decoder = MsgpackDecoder(EngineCoreOutputs)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """Start serving (in the running event loop)."""
+        loops = (self._handshake_loop, self._input_loop, self._output_loop, self._expiry_loop)
+        self._tasks = [asyncio.create_task(loop()) for loop in loops]
+        logger.info("coordinator sockets on ports %s", self.ports)
+
+    async def send(self, rank: int, kind: RequestType, payload: Any) -> None:
+        """Send one request to a rank; ``zmq.ZMQError`` if it is not connected."""
+        frames = [rank_identity(rank), kind.value, *self._encoder.encode(payload)]
+        await self.inputs.send_multipart(frames, copy=False)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for sock in (self.handshake, self.inputs, self.outputs):
+            sock.close(linger=0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
+        self.ctx.term()
+
+    # ---- loops -------------------------------------------------------------------------------
+
+    async def _handshake_loop(self) -> None:
+        while True:
+            frames = await self.handshake.recv_multipart()
+            if len(frames) != 2:
+                logger.warning("dropped a handshake message of %d frames", len(frames))
+                continue
+            identity, payload = frames
+            try:
+                message = self._handshake_decoder.decode(payload)
+            except msgspec.MsgspecError as exc:
+                logger.warning("dropped an undecodable handshake message: %s", exc)
+                continue
+            if getattr(message, "rank", None) is None or identity != rank_identity(message.rank):
+                logger.warning("dropped a handshake message whose identity is not its rank")
+                continue
+            now = time.monotonic()
+            if isinstance(message, Hello):
+                previous = self.membership.members.get(message.rank)
+                reply = self.membership.on_hello(message, now)
+                if previous is not None and previous is not self.membership.members.get(
+                    message.rank
+                ):
+                    self.on_rank_dead(previous)  # its requests must move before the new one runs
+                await self.handshake.send_multipart([identity, msgspec.msgpack.encode(reply)])
+            elif isinstance(message, Ready):
+                self.membership.on_ready(message.rank, now)
+            else:
+                logger.warning("dropped an unexpected handshake message: %r", message)
+
+    async def _input_loop(self) -> None:
+        """ReadyResponses: a rank's first message on its input DEALER."""
+        while True:
+            frames = await self.inputs.recv_multipart(copy=False)
+            if len(frames) != 2:
+                logger.warning("dropped an input-socket message of %d frames", len(frames))
+                continue
+            rank = int.from_bytes(frames[0].bytes, "little")
+            try:
+                response = self._ready_decoder.decode(frames[1])
+            except _DECODE_ERRORS as exc:
+                logger.warning("dropped an undecodable ready response from rank %d: %s", rank, exc)
+                continue
+            self.membership.on_ready_response(rank, response, time.monotonic())
+
+    async def _output_loop(self) -> None:
+        while True:
+            frames = await self.outputs.recv_multipart(copy=False)
+            if frames[0].bytes == ENGINE_CORE_DEAD:
+                rank = int.from_bytes(frames[1].bytes, "little") if len(frames) > 1 else -1
+                self._dead(rank, "the engine core hit a fatal error (ENGINE_CORE_DEAD)")
+                continue
+            try:
+                outputs = self._outputs_decoder.decode(frames)
+            except _DECODE_ERRORS as exc:
+                logger.warning("dropped an undecodable message on the output socket: %s", exc)
+                continue
+            rank = outputs.engine_index
+            self.membership.on_stats(rank, outputs.engine_stats, time.monotonic())
+            if outputs.engine_stats is not None and outputs.engine_stats.exiting:
+                self._dead(rank, "left (shut down)")
+            if outputs.outputs or outputs.finished_requests or outputs.utility_output:
+                self.on_outputs(rank, outputs)
+
+    async def _expiry_loop(self) -> None:
+        interval = min(1.0, self.membership.heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            for member in self.membership.expire(time.monotonic()):
+                self.on_rank_dead(member)
+
+    def _dead(self, rank: int, reason: str) -> None:
+        member = self.membership.declare_dead(rank, reason)
+        if member is not None:
+            self.on_rank_dead(member)
+
+
+def _port(sock: zmq.Socket) -> int:
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    text = endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+    return int(text.rsplit(":", 1)[1])
