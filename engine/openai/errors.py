@@ -1,0 +1,175 @@
+"""Wire-level helpers of the OpenAI API: errors, request-body parsing, SSE framing.
+
+Every client mistake becomes ``{"error": {"message", "type", "param", "code"}}`` with an HTTP
+status, the shape the official ``openai`` client turns into ``BadRequestError`` and friends
+(it reads ``message``, ``type``, ``param`` and ``code`` from the ``error`` object).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+__all__ = [
+    "SSE_DONE",
+    "ErrorInfo",
+    "ErrorResponse",
+    "RequestError",
+    "error_from_json",
+    "error_from_sampling",
+    "error_from_validation",
+    "parse_request",
+    "sse_error",
+    "sse_event",
+    "unsupported",
+]
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+class ErrorInfo(BaseModel):
+    """The ``error`` object of an OpenAI error body."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """An OpenAI error body. Dump it with nulls kept: ``param`` and ``code`` are always present."""
+
+    error: ErrorInfo
+
+
+class RequestError(Exception):
+    """A request the API refuses, carrying its HTTP status and the OpenAI error fields.
+
+    ``type`` defaults to ``invalid_request_error`` for 4xx and ``server_error`` for 5xx, the
+    values OpenAI uses; ``param`` names the offending top-level request field, if any.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int = 400,
+        type: str | None = None,
+        code: str | int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.code = code
+
+    def to_response(self) -> ErrorResponse:
+        """The body to send with :attr:`status`."""
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        )
+
+    def __repr__(self) -> str:
+        return f"RequestError(status={self.status}, param={self.param!r}, {self.message!r})"
+
+
+def _path(loc: tuple[int | str, ...]) -> str:
+    """``("messages", 0, "role")`` -> ``messages[0].role``: readable in an error message."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
+
+
+def error_from_json(detail: str | Exception) -> RequestError:
+    """A 400 for a body that is not valid JSON (no field to blame, so ``param`` is None)."""
+    return RequestError(f"the request body is not valid JSON: {detail}")
+
+
+def error_from_validation(exc: ValidationError) -> RequestError:
+    """A 400 naming the first offending field of a pydantic ``ValidationError``.
+
+    ``param`` is the top-level field (``messages`` for ``messages[0].role``) so that callers can
+    rely on it whatever nesting pydantic reports; the full path is in the message.
+    """
+    errors = exc.errors(include_url=False)
+    if not errors:  # pragma: no cover - pydantic never raises an empty ValidationError
+        return RequestError(str(exc))
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return error_from_json(first.get("ctx", {}).get("error", first["msg"]))
+    loc = tuple(first["loc"])
+    if not loc:  # the body itself: not an object, or a model-level check failed
+        if first["type"] in ("model_type", "model_attributes_type", "dict_type"):
+            return RequestError("the request body must be a JSON object")
+        return RequestError(first["msg"].removeprefix("Value error, "))
+    message = first["msg"].removeprefix("Value error, ")
+    param = loc[0] if isinstance(loc[0], str) else None
+    return RequestError(f"{_path(loc)}: {message}", param=param)
+
+
+def unsupported(param: str, what: str) -> RequestError:
+    """A 400 for a known OpenAI parameter whose meaning this server does not implement."""
+    return RequestError(f"{param}: {what} is not supported by this server", param=param)
+
+
+_SAMPLING_FIELD = re.compile(r"invalid sampling parameter (\w+)=")
+
+
+def error_from_sampling(exc: ValueError, renamed: Mapping[str, str]) -> RequestError:
+    """A 400 from ``SamplingParams.validate``'s ``ValueError``, naming the request field.
+
+    ``renamed`` maps engine names to the request's where they differ (chat ``top_logprobs``
+    is the engine's ``logprobs``), so the user is told about the field they sent.
+    """
+    message = str(exc)
+    match = _SAMPLING_FIELD.match(message)
+    if match is None:
+        return RequestError(message)
+    name = match.group(1)
+    param = renamed.get(name, name)
+    return RequestError(
+        message.replace(f"parameter {name}=", f"parameter {param}=", 1), param=param
+    )
+
+
+def parse_request(model: type[ModelT], body: bytes | str | Mapping[str, Any]) -> ModelT:
+    """Validate a raw body (JSON text) or an already decoded mapping as ``model``.
+
+    Raises:
+        RequestError: malformed JSON, not an object, or a field that fails validation.
+    """
+    try:
+        if isinstance(body, bytes | str):
+            return model.model_validate_json(body)
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise error_from_validation(exc) from None
+
+
+# -- server-sent events ---------------------------------------------------------------------
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_event(model: BaseModel, *, exclude_none: bool = True) -> str:
+    """One SSE event: ``data: <json>`` and a blank line.
+
+    None fields are left out by default: that drops ``role`` from all but the first delta and
+    ``usage`` from all but the last chunk, as OpenAI's streams do; the official client reads a
+    missing field as None.
+    """
+    return f"data: {model.model_dump_json(exclude_none=exclude_none)}\n\n"
+
+
+def sse_error(error: RequestError | ErrorResponse) -> str:
+    """An error inside a stream (the 200 is already sent); the official client raises
+    ``APIError`` with this message when a ``data`` event carries an ``error`` object. Nulls are
+    kept so that the body has the same shape as a non-streamed error."""
+    body = error.to_response() if isinstance(error, RequestError) else error
+    return sse_event(body, exclude_none=False)

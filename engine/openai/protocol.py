@@ -1,0 +1,399 @@
+"""OpenAI-compatible request/response models and their conversion to and from engine types.
+
+Requests: unknown fields are ignored (``extra="ignore"``): SDKs and proxies add their own
+(``extra_body`` keys, newer OpenAI parameters) and refusing them breaks clients. Known fields
+are strict: ``"temperature": "0.5"`` or ``"stream": 1`` fail, as at OpenAI, instead of being
+coerced (an int is fine for a float); ``null`` means the default. Known parameters we cannot
+honour (``echo``, ``suffix``, ``logit_bias``, ``tools``, non-text ``response_format``,
+``best_of`` != ``n``) get a 400: ignoring them would silently change the answer. Ranges live in
+:meth:`SamplingParams.validate`; only OpenAI-specific bounds are declared here.
+
+Responses are dumped with nulls kept (``model_dump_json()``), as OpenAI sends them; stream
+chunks without (``errors.sse_event``), which drops ``role`` after the first delta and ``usage``
+before the last chunk, as OpenAI streams do.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from corefleet.engine.openai.errors import RequestError, error_from_sampling, unsupported
+from corefleet.engine.protocol import FinishReason, SamplingParams
+
+_REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
+
+# OpenAI's "extremely unlikely": JSON has no -inf (pydantic writes null, the client refuses it).
+_MIN_LOGPROB = -9999.0
+
+
+def _finite(value: Any) -> Any:
+    return value if value is None or math.isfinite(value) else _MIN_LOGPROB
+
+
+def random_id(prefix: str) -> str:
+    """``cmpl-<hex>`` / ``chatcmpl-<hex>``: the id style of OpenAI responses."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a final chunk with only ``usage``."""
+
+    model_config = _REQUEST_CONFIG
+    include_usage: bool | None = False
+
+
+class TextContentPart(BaseModel):
+    """A ``{"type": "text", "text": ...}`` content part, the only kind we accept."""
+
+    model_config = _REQUEST_CONFIG
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One conversation turn. ``developer`` is OpenAI's newer name for ``system``."""
+
+    model_config = _REQUEST_CONFIG
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _only_text_parts(cls, value: Any) -> Any:
+        # Checked before the union so that an image part yields one clear message instead of
+        # one error per union member.
+        for part in value if isinstance(value, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise ValueError(f"content part type {kind!r} is not supported, only 'text'")
+        return value
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        # Only an assistant turn may lack content (it carried tool calls at OpenAI).
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role!r} message needs content")
+        return self
+
+    def text(self) -> str:
+        """The content as one string: text parts joined by newlines."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class _SamplingRequest(BaseModel):
+    """Fields common to both endpoints: OpenAI's, then vLLM's extras."""
+
+    model_config = _REQUEST_CONFIG
+    model: str | None = None  # None: the served model (vLLM accepts that too)
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted for compatibility; not used
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # explicit null: up to the context length, as vLLM
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        # One readable message instead of four union-member errors.
+        def is_ids(x: Any) -> bool:
+            return isinstance(x, list) and bool(x) and all(type(t) is int and t >= 0 for t in x)
+
+        if isinstance(value, str) or (
+            isinstance(value, list)
+            and value
+            and (all(isinstance(p, str) for p in value) or is_ids(value) or all(map(is_ids, value)))
+        ):
+            return value
+        raise ValueError("must be a string, a list of strings, token ids or token id lists")
+
+    def prompt_inputs(self) -> list[str | dict[str, list[int]]]:
+        """The prompts in ``InputProcessor.process_prompt`` form (text or token ids)."""
+        items: list[Any] = [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+        if isinstance(items[0], int):  # one prompt given as token ids
+            return [{"prompt_token_ids": items}]
+        return [x if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in items]
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated at OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages for ``Tokenizer.apply_chat_template`` (plain strings; developer->system,
+        since chat templates only know the classic roles)."""
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            | ({} if m.name is None else {"name": m.name})
+            for m in self.messages
+        ]
+
+
+_SAME_NAME = (
+    *("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty"),
+    *("frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos"),
+    *("skip_special_tokens", "include_stop_str_in_output"),
+)
+
+
+def to_sampling_params(
+    request: CompletionRequest | ChatCompletionRequest, vocab_size: int | None = None
+) -> SamplingParams:
+    """The engine's :class:`SamplingParams` for ``request``, validated.
+
+    Raises:
+        RequestError: 400 naming the request field (``top_logprobs``, not the engine's
+            ``logprobs``) when a parameter is unsupported, inconsistent or out of range.
+    """
+    renamed: dict[str, str] = {}  # engine name -> the request field the user actually set
+    if isinstance(request, ChatCompletionRequest):
+        if request.tools:
+            raise unsupported("tools", "tool calling")
+        if request.response_format and request.response_format.get("type", "text") != "text":
+            raise unsupported("response_format", "structured output")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise RequestError("top_logprobs requires logprobs=true", param="top_logprobs")
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        if request.top_logprobs is not None:
+            renamed["logprobs"] = "top_logprobs"
+        max_tokens = request.max_tokens
+        if request.max_completion_tokens is not None:
+            max_tokens = request.max_completion_tokens
+            renamed["max_tokens"] = "max_completion_tokens"
+    else:
+        if request.echo:
+            raise unsupported("echo", "echo=true")
+        if request.suffix:
+            raise unsupported("suffix", "suffix")
+        if request.best_of is not None and request.best_of != (request.n or 1):
+            raise unsupported("best_of", "best_of other than n")
+        logprobs, max_tokens = request.logprobs, request.max_tokens
+    if request.logit_bias:
+        raise unsupported("logit_bias", "logit_bias")
+    if request.stream_options is not None and not request.stream:
+        raise RequestError("stream_options requires stream=true", param="stream_options")
+    # Same names on both sides; a null leaves SamplingParams' (vLLM's) default.
+    same = {k: getattr(request, k) for k in _SAME_NAME if getattr(request, k) is not None}
+    stop = request.stop
+    params = SamplingParams(
+        **same,
+        max_tokens=max_tokens,
+        stop=[stop] if isinstance(stop, str) else list(stop or []),
+        stop_token_ids=list(request.stop_token_ids or []),
+        logprobs=logprobs,
+    )
+    try:
+        params.validate(vocab_size)
+    except ValueError as exc:
+        raise error_from_sampling(exc, renamed) from None
+    return params
+
+
+def openai_finish_reason(reason: FinishReason | str | None) -> str | None:
+    """The engine's finish reason as OpenAI's ``finish_reason``.
+
+    ``stop``/``length`` are OpenAI's; ``abort``/``error`` pass through as vLLM does: OpenAI has
+    no equivalent and ``stop`` would hide a cut-short answer (the official client accepts any
+    string; only its declared types list fewer). ``rejected`` is re-routed by the coordinator,
+    so seeing it here is a bug: ``ValueError``.
+    """
+    if reason is None:
+        return None
+    name = str(reason)
+    if name not in ("stop", "length", "abort", "error"):
+        raise ValueError(f"finish reason {name!r} must not reach a client")
+    return name
+
+
+class UsageInfo(BaseModel):
+    """Token counts of a request (all ``n`` completions together)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @model_validator(mode="after")
+    def _total(self) -> UsageInfo:  # derived, so it can never disagree
+        self.total_tokens = self.prompt_tokens + self.completion_tokens
+        return self
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)  # from the start of the generated text
+
+    @field_validator("token_logprobs", "top_logprobs")
+    @classmethod
+    def _clamp(cls, values: list[Any]) -> list[Any]:
+        return [
+            {k: _finite(x) for k, x in v.items()} if isinstance(v, dict) else _finite(v)
+            for v in values
+        ]
+
+
+class CompletionChoice(BaseModel):
+    """One completion; ``stop_reason`` (vLLM's extra) is the stop string or token id."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """``text_completion`` object; also the shape of each streamed completions chunk."""
+
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionStreamResponse(CompletionResponse):
+    """A streamed completions chunk: every chunk of a stream shares ``id`` and ``created``;
+    ``usage`` only on the last one (empty ``choices``) when ``include_usage`` was asked."""
+
+
+class TopLogprob(BaseModel):
+    """A candidate token with its logprob and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+    @field_validator("logprob")
+    @classmethod
+    def _clamp(cls, value: float) -> float:
+        return _finite(value)
+
+
+class ChatTokenLogprob(TopLogprob):
+    """A generated token, with the ``top_logprobs`` alternatives at its position."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """``choices[i].logprobs`` of a chat completion."""
+
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    """The assistant's answer."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    """One chat completion."""
+
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """``chat.completion`` object."""
+
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(BaseModel):
+    """What a chunk adds: ``role`` in the first chunk of a choice, then ``content`` pieces."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    """One choice's increment in a chunk; ``finish_reason`` set on its last one."""
+
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """``chat.completion.chunk``: chunks of one stream share ``id`` and ``created``; with
+    ``include_usage`` the last chunk has empty ``choices`` and ``usage``."""
+
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    """An entry of ``GET /v1/models``; ``max_model_len`` is vLLM's extra."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "corefleet"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    """``GET /v1/models``."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
