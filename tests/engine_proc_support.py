@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,3 +136,26 @@ def bare_engine(model: Path, *flags: str) -> Iterator[BareEngine]:
         for sock in (handshake, inputs, outputs):
             sock.close(linger=0)
         ctx.term()
+
+
+def spawn_rank(model: Path, handshake_port: int, rank: int, *flags: str) -> subprocess.Popen[bytes]:
+    """``corefleet engine-core`` for ``rank``, dialling a coordinator on 127.0.0.1."""
+    argv = [
+        sys.executable,
+        *(["-P"] if sys.version_info >= (3, 11) else []),
+        *("-m", "corefleet.engine.cli", "engine-core"),
+        *("--coordinator", f"127.0.0.1:{handshake_port}", "--rank", str(rank)),
+        *("--health-port", "0", "--shutdown-timeout", "30"),
+        *flags,
+        *engine_argv_from_config(tiny_config(model)),
+    ]
+    return subprocess.Popen(argv)
+
+
+async def until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Wait (asyncio) until ``condition()`` holds; TimeoutError naming ``what`` otherwise."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout} s")
+        await asyncio.sleep(0.05)

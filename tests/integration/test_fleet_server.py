@@ -6,41 +6,18 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from corefleet.engine.coordinator.membership import RankMember, RankState
 from corefleet.engine.coordinator.server import FleetServer
-from corefleet.engine.engine_args import engine_argv_from_config
 from corefleet.engine.protocol import EngineCoreOutputs, EngineCoreRequest, RequestType
-from tests.engine_proc_support import greedy, tiny_config
+from tests.engine_proc_support import greedy, spawn_rank, until
 from tests.fixtures_models import write_tiny_llama
 
 pytestmark = pytest.mark.slow
-
-
-def _spawn_rank(model: Path, handshake_port: int, rank: int) -> subprocess.Popen[bytes]:
-    argv = [
-        sys.executable,
-        *(["-P"] if sys.version_info >= (3, 11) else []),
-        *("-m", "corefleet.engine.cli", "engine-core"),
-        *("--coordinator", f"127.0.0.1:{handshake_port}", "--rank", str(rank)),
-        *("--health-port", "0", "--shutdown-timeout", "30"),
-        *engine_argv_from_config(tiny_config(model)),
-    ]
-    return subprocess.Popen(argv)
-
-
-async def _until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout} s")
-        await asyncio.sleep(0.05)
 
 
 def test_ranks_join_serve_leave_die_and_rejoin(tmp_path: Path) -> None:
@@ -68,36 +45,36 @@ def test_ranks_join_serve_leave_die_and_rejoin(tmp_path: Path) -> None:
         await server.start()
         try:
             # Two ranks join on their own, in any order; nobody told the server about them.
-            procs += [_spawn_rank(model, server.ports[0], r) for r in (0, 1)]
-            await _until(lambda: len(server.membership.accepting()) == 2, 90, "two ranks ready")
+            procs += [spawn_rank(model, server.ports[0], r) for r in (0, 1)]
+            await until(lambda: len(server.membership.accepting()) == 2, 90, "two ranks ready")
             for rank in (0, 1):
                 request = EngineCoreRequest(f"on-{rank}", [5, 6, 7], greedy(6))
                 await server.send(rank, RequestType.ADD, request)
-            await _until(lambda: {"on-0", "on-1"} <= finished.keys(), 30, "both served")
+            await until(lambda: {"on-0", "on-1"} <= finished.keys(), 30, "both served")
             assert finished["on-0"][0] == 0 and finished["on-1"][0] == 1
             assert finished["on-0"][1] == finished["on-1"][1] and len(finished["on-0"][1]) == 6
 
             # Leave: SIGTERM drains rank 1, which says it is leaving; no heartbeat wait.
             procs[1].send_signal(signal.SIGTERM)
-            await _until(lambda: members[1].state is RankState.DEAD, 5, "rank 1 gone")
+            await until(lambda: members[1].state is RankState.DEAD, 5, "rank 1 gone")
             assert "left" in members[1].dead_reason
             assert procs[1].wait(timeout=10) == 0
 
             # Die: SIGKILL rank 0; silence past the 2 s heartbeat timeout declares it dead.
             killed = time.monotonic()
             os.kill(procs[0].pid, signal.SIGKILL)
-            await _until(lambda: members[0].state is RankState.DEAD, 6, "rank 0 dead")
+            await until(lambda: members[0].state is RankState.DEAD, 6, "rank 0 dead")
             assert time.monotonic() - killed >= 1.5 and "heartbeat" in members[0].dead_reason
             assert [d.rank for d in deaths] == [1, 0]
             assert not server.membership.accepting()
 
             # Rejoin: a new process for rank 0 becomes a new incarnation and serves.
             old_incarnation = members[0].incarnation
-            procs.append(_spawn_rank(model, server.ports[0], 0))
-            await _until(lambda: members[0].state is RankState.READY, 90, "rank 0 back")
+            procs.append(spawn_rank(model, server.ports[0], 0))
+            await until(lambda: members[0].state is RankState.READY, 90, "rank 0 back")
             assert members[0].incarnation > old_incarnation
             await server.send(0, RequestType.ADD, EngineCoreRequest("again", [5, 6, 7], greedy(6)))
-            await _until(lambda: "again" in finished, 30, "served after rejoining")
+            await until(lambda: "again" in finished, 30, "served after rejoining")
             assert finished["again"][1] == finished["on-0"][1]
         finally:
             await server.close()
