@@ -56,7 +56,68 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(chat)
     add_engine_args(chat)
     _engine_core_parser(sub)
+    _serve_parsers(sub)
     return parser
+
+
+def _http_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("HTTP API and routing")
+    g.add_argument(
+        "--host", default=None, help="HTTP address (serve: 127.0.0.1, coordinator: 0.0.0.0)"
+    )
+    g.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    g.add_argument(
+        "--routing",
+        choices=["least-loaded", "prefix-aware", "round-robin"],
+        default="least-loaded",
+        help="how requests are spread over the ranks",
+    )
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 and /admin (or COREFLEET_API_KEY)",
+    )
+    g.add_argument(
+        "--max-migrations",
+        type=int,
+        default=2,
+        help="times a request may move to another rank when its rank dies (then: an error)",
+    )
+
+
+def _serve_parsers(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="the OpenAI-compatible API over N local engine ranks (one machine)",
+        description="Start the coordinator (OpenAI-compatible HTTP API) and N engine-core "
+        "processes on this machine. Without --model, serves the embedded SmolLM2.",
+    )
+    serve.add_argument(
+        "--data-parallel-size", type=int, default=1, help="local engine ranks (default 1)"
+    )
+    serve.add_argument("--shutdown-mode", choices=["drain", "abort"], default="drain")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0)
+    _http_args(serve)
+    add_engine_args(serve)
+
+    coord = sub.add_parser(
+        "coordinator",
+        help="the OpenAI-compatible API; ranks dial in (a coordinator pod)",
+        description="Serve the HTTP API and wait for engine-core ranks to connect to the "
+        "handshake port. Engines find it by a Service name; INIT advertises this pod's address.",
+    )
+    coord.add_argument("--model", default=None, help="model path (for its tokenizer)")
+    coord.add_argument("--served-model-name", default=None)
+    coord.add_argument("--block-size", type=int, default=16, help="the ranks' KV block size")
+    coord.add_argument(
+        "--advertise-host", default=None, help="address ranks reach us at (default: POD_IP)"
+    )
+    coord.add_argument("--handshake-port", type=int, default=5570)
+    coord.add_argument("--input-port", type=int, default=5571)
+    coord.add_argument("--output-port", type=int, default=5572)
+    coord.add_argument("--shutdown-timeout", type=float, default=30.0)
+    coord.add_argument("--curve-keys-dir", default=None)
+    _http_args(coord)
 
 
 def _engine_core_parser(sub: argparse._SubParsersAction) -> None:
@@ -123,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _chat(args)
         if args.command == "engine-core":
             return _engine_core(args)
+        if args.command in ("serve", "coordinator"):
+            return _serve(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"corefleet: error: {exc}", file=sys.stderr)
         return 2
@@ -180,6 +243,49 @@ def _engine_core(args: argparse.Namespace) -> int:
         health_port=args.health_port,
     )
     return run_engine_core(engine_config_from_args(args), proc_config)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from corefleet.engine.coordinator.main import CoordinatorOptions, LocalRanks, run
+    from corefleet.engine.engine_args import engine_config_from_args
+
+    api_key = args.api_key or envs.api_key()
+    if args.command == "coordinator":
+        options = CoordinatorOptions(
+            model=args.model,
+            served_model_name=args.served_model_name,
+            host=args.host or "0.0.0.0",
+            port=args.port,
+            advertise_host=args.advertise_host,
+            zmq_ports=(args.handshake_port, args.input_port, args.output_port),
+            routing=args.routing,
+            block_size=args.block_size,
+            api_key=api_key,
+            max_migrations=args.max_migrations,
+            shutdown_timeout_s=args.shutdown_timeout,
+            curve_keys_dir=args.curve_keys_dir,
+        )
+        return asyncio.run(run(options))
+    config = engine_config_from_args(args)
+    if args.data_parallel_size < 1:
+        raise ValueError("--data-parallel-size must be at least 1")
+    options = CoordinatorOptions(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        host=args.host or "127.0.0.1",
+        port=args.port,
+        bind_host="127.0.0.1",
+        zmq_ports=(0, 0, 0),
+        routing=args.routing,
+        block_size=config.cache.block_size,
+        api_key=api_key,
+        max_migrations=args.max_migrations,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+    ranks = LocalRanks(config, args.data_parallel_size, args.shutdown_mode, args.shutdown_timeout)
+    return asyncio.run(run(options, ranks))
 
 
 def _chat(args: argparse.Namespace) -> int:

@@ -70,3 +70,8 @@ def engine_heartbeat_timeout_s() -> float:
     if value <= 0:
         raise ValueError("COREFLEET_ENGINE_HEARTBEAT_TIMEOUT_S must be positive")
     return value
+
+
+def api_key() -> str | None:
+    """COREFLEET_API_KEY: the coordinator's API key when --api-key is not given."""
+    return os.environ.get("COREFLEET_API_KEY") or None

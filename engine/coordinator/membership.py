@@ -153,14 +153,16 @@ class Membership:
             member.state = RankState.DRAINING
             logger.info("rank %d is draining", rank)
 
-    def declare_dead(self, rank: int, reason: str) -> RankMember | None:
-        """Mark a rank dead (idempotent); returns it if it was alive until now."""
+    def declare_dead(self, rank: int, reason: str, clean: bool = False) -> RankMember | None:
+        """Mark a rank dead (idempotent); returns it if it was alive until now. ``clean``: it
+        left on purpose (a drained shutdown), which is not worth a warning."""
         member = self.members.get(rank)
         if member is None or member.state is RankState.DEAD:
             return None
         member.state = RankState.DEAD
         member.dead_reason = reason
-        logger.warning("rank %d (pod %s) is dead: %s", rank, member.pod_name, reason)
+        level = logging.INFO if clean else logging.WARNING
+        logger.log(level, "rank %d (pod %s) is gone: %s", rank, member.pod_name, reason)
         return member
 
     def expire(self, now: float) -> list[RankMember]:

@@ -167,7 +167,7 @@ class FleetServer:
             rank = outputs.engine_index
             self.membership.on_stats(rank, outputs.engine_stats, time.monotonic())
             if outputs.engine_stats is not None and outputs.engine_stats.exiting:
-                self._dead(rank, "left (shut down)")
+                self._dead(rank, "left (shut down)", clean=True)
             if outputs.outputs or outputs.finished_requests or outputs.utility_output:
                 self.on_outputs(rank, outputs)
 
@@ -178,8 +178,8 @@ class FleetServer:
             for member in self.membership.expire(time.monotonic()):
                 self.on_rank_dead(member)
 
-    def _dead(self, rank: int, reason: str) -> None:
-        member = self.membership.declare_dead(rank, reason)
+    def _dead(self, rank: int, reason: str, clean: bool = False) -> None:
+        member = self.membership.declare_dead(rank, reason, clean)
         if member is not None:
             self.on_rank_dead(member)
 

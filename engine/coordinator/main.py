@@ -1,0 +1,166 @@
+"""``corefleet coordinator`` and ``corefleet serve``: the fleet's front door, as one process.
+
+``coordinator`` binds the handshake, input and output sockets and the HTTP API and waits for
+ranks to dial in (the rank pods' ``corefleet engine-core --coordinator NAME:5570``).
+``serve`` is the same process plus N local ``engine-core`` children dialling it over loopback.
+
+SIGTERM/SIGINT: ``/ready`` turns 503 at once, the HTTP server stops accepting and lets open
+streams finish within ``--shutdown-timeout``; then local ranks get SIGTERM (they drain with the
+same timeout) and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from corefleet.engine import envs
+from corefleet.engine.config import EngineConfig
+from corefleet.engine.coordinator.fleet_client import FleetClient
+from corefleet.engine.coordinator.routing import make_policy
+from corefleet.engine.engine_args import engine_argv_from_config
+from corefleet.engine.models.loader import resolve_model_path
+from corefleet.engine.net import load_curve_keys
+from corefleet.engine.openai.api_server import ServerState, build_app
+from corefleet.engine.openai.metrics import ServingMetrics
+from corefleet.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CoordinatorOptions:
+    """Everything ``corefleet coordinator`` takes (``serve`` adds local ranks)."""
+
+    model: str | None = None
+    served_model_name: str | None = None
+    host: str = "0.0.0.0"  # HTTP
+    port: int = 8000
+    bind_host: str = "0.0.0.0"  # ZMQ sockets
+    advertise_host: str | None = None  # None: POD_IP, else this host's address
+    zmq_ports: tuple[int, int, int] = (5570, 5571, 5572)
+    routing: str = "least-loaded"
+    block_size: int = 16  # for prefix-aware routing: the ranks' KV block size
+    api_key: str | None = None
+    max_migrations: int = 2
+    heartbeat_timeout_s: float = 10.0
+    shutdown_timeout_s: float = 30.0
+    curve_keys_dir: str | None = None
+
+
+def advertised_host(options: CoordinatorOptions) -> str:
+    if options.advertise_host:
+        return options.advertise_host
+    if options.bind_host not in ("0.0.0.0", "::", ""):
+        return options.bind_host
+    return envs.pod_ip() or socket.gethostbyname(socket.gethostname())
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, with readiness dropped the moment a shutdown signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        self.state.shutting_down = True
+        super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would kill
+        # the process before the ranks are stopped (and exit -15); a planned shutdown exits 0.
+        handled = (signal.SIGTERM, signal.SIGINT)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+async def run(options: CoordinatorOptions, local_ranks: LocalRanks | None = None) -> int:
+    """Serve until a signal; returns the exit code."""
+    model_path = resolve_model_path(options.model)
+    tokenizer = Tokenizer.from_model_path(model_path)
+    model_name = options.served_model_name or Path(model_path).stem
+    fleet = FleetClient(
+        policy=make_policy(options.routing, options.block_size),
+        max_migrations=options.max_migrations,
+        bind_host=options.bind_host,
+        advertise_host=advertised_host(options),
+        ports=options.zmq_ports,
+        curve=load_curve_keys("server", options.curve_keys_dir),
+        heartbeat_timeout_s=options.heartbeat_timeout_s,
+    )
+    await fleet.start()
+    state = ServerState(
+        fleet, tokenizer, model_name, options.api_key, ServingMetrics(fleet, model_name)
+    )
+    config = uvicorn.Config(
+        build_app(state),
+        host=options.host,
+        port=options.port,
+        timeout_graceful_shutdown=int(options.shutdown_timeout_s),
+        log_level="warning",
+    )
+    try:
+        if local_ranks is not None:
+            local_ranks.start(fleet.server.ports[0])
+        logger.info("serving %s on http://%s:%d", model_name, options.host, options.port)
+        await _Server(config, state).serve()
+    finally:
+        if local_ranks is not None:
+            await asyncio.to_thread(local_ranks.stop)
+        await fleet.close()
+    return 0
+
+
+@dataclass
+class LocalRanks:
+    """``serve``'s own ranks: ``corefleet engine-core`` children on loopback."""
+
+    config: EngineConfig
+    count: int
+    shutdown_mode: str
+    shutdown_timeout_s: float
+    procs: list[subprocess.Popen[bytes]] | None = None
+
+    def start(self, handshake_port: int) -> None:
+        self.procs = []
+        for rank in range(self.count):
+            argv = [
+                sys.executable,
+                *(["-P"] if sys.version_info >= (3, 11) else []),
+                *("-m", "corefleet.engine.cli", "engine-core"),
+                *("--coordinator", f"127.0.0.1:{handshake_port}", "--rank", str(rank)),
+                *("--parent-pid", str(os.getpid()), "--health-port", "0"),
+                *("--shutdown-mode", self.shutdown_mode),
+                *("--shutdown-timeout", repr(self.shutdown_timeout_s)),
+                *engine_argv_from_config(self.config),
+            ]
+            self.procs.append(subprocess.Popen(argv))
+        logger.info("started %d local engine rank(s)", self.count)
+
+    def stop(self) -> None:
+        for proc in self.procs or []:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs or []:
+            try:
+                proc.wait(timeout=self.shutdown_timeout_s + 5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

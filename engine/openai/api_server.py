@@ -1,0 +1,278 @@
+"""The coordinator's HTTP API: OpenAI's completions, chat and models, plus health and metrics.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health`` (the process works), ``GET /ready`` (503, retryable, while no rank serves or
+while shutting down), ``GET /metrics`` (Prometheus), ``GET /admin/engines`` (JSON per rank).
+With an API key, ``/v1/*`` and ``/admin/*`` answer 401 without ``Authorization: Bearer KEY``.
+Bad input is a 400 with an OpenAI error body naming the field; nothing invalid reaches a rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from corefleet.engine.coordinator.fleet_client import FleetClient
+from corefleet.engine.frontend.input_processor import InputProcessor
+from corefleet.engine.openai import protocol as p
+from corefleet.engine.openai.errors import SSE_DONE, RequestError, parse_request, sse_event
+from corefleet.engine.openai.metrics import ServingMetrics
+from corefleet.engine.openai.serving import ChoiceDelta, Generation
+from corefleet.engine.protocol import ReadyResponse
+from corefleet.engine.tokenizer import Tokenizer
+
+
+@dataclass
+class ServerState:
+    fleet: FleetClient
+    tokenizer: Tokenizer
+    model_name: str
+    api_key: str | None
+    metrics: ServingMetrics
+    shutting_down: bool = False
+
+    def engine_info(self) -> ReadyResponse:
+        ranks = self.fleet.membership.accepting()
+        if self.shutting_down or not ranks or ranks[0].info is None:
+            raise RequestError(
+                "no engine rank is ready yet; retry shortly", status=503, type="server_error"
+            )
+        return ranks[0].info
+
+
+def _error(err: RequestError) -> JSONResponse:
+    return JSONResponse(err.to_response().model_dump(), status_code=err.status)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The FastAPI application over ``state.fleet``."""
+    app = FastAPI(title="corefleet", docs_url=None, redoc_url=None)
+
+    @app.middleware("http")
+    async def require_api_key(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        path = request.url.path
+        protected = path.startswith("/v1") or path.startswith("/admin")
+        authorized = request.headers.get("authorization") == f"Bearer {state.api_key}"
+        if state.api_key and protected and not authorized:
+            return _error(
+                RequestError("invalid or missing API key", status=401, type="invalid_api_key")
+            )
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        counts = state.fleet.membership.counts()
+        ok = counts["ready"] > 0 and not state.shutting_down
+        return JSONResponse({"ready": ok, "ranks": counts}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/admin/engines")
+    async def engines() -> list[dict[str, Any]]:
+        return [_rank_json(m) for m in state.fleet.membership.members.values()]
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        ranks = state.fleet.membership.accepting()
+        max_len = ranks[0].info.max_model_len if ranks and ranks[0].info else None
+        card = p.ModelCard(id=state.model_name, max_model_len=max_len)
+        return p.ModelList(data=[card]).model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        try:
+            body = parse_request(p.CompletionRequest, await request.body())
+            generation = _start(state, body, body.prompt_inputs())
+        except RequestError as err:
+            return _error(err)
+        if body.stream:
+            return _sse(_completion_chunks(state, body, generation))
+        return JSONResponse(await _completion_response(state, body, generation))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        try:
+            body = parse_request(p.ChatCompletionRequest, await request.body())
+            text = state.tokenizer.apply_chat_template(
+                body.template_messages(), add_generation_prompt=True
+            )
+            ids = state.tokenizer.encode(text, add_special_tokens=False)
+            generation = _start(state, body, [{"prompt": text, "prompt_token_ids": ids}])
+        except RequestError as err:
+            return _error(err)
+        except ValueError as exc:  # the chat template refused the conversation
+            return _error(RequestError(str(exc), param="messages"))
+        if body.stream:
+            return _sse(_chat_chunks(state, body, generation))
+        return JSONResponse(await _chat_response(state, body, generation))
+
+    return app
+
+
+def _start(
+    state: ServerState, body: p.CompletionRequest | p.ChatCompletionRequest, prompts: list[Any]
+) -> Generation:
+    if body.model is not None and body.model != state.model_name:
+        raise RequestError(
+            f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
+    info = state.engine_info()
+    params = p.to_sampling_params(body, info.vocab_size)
+    inputs = InputProcessor(state.tokenizer, info.max_model_len, info.vocab_size)
+    try:
+        return Generation(
+            state.fleet, state.tokenizer, inputs, prompts, params, Generation.new_id()
+        )
+    except ValueError as exc:
+        param = "messages" if isinstance(body, p.ChatCompletionRequest) else "prompt"
+        raise RequestError(str(exc), param=param) from None
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
+async def _timed(state: ServerState, generation: Generation) -> AsyncIterator[ChoiceDelta]:
+    """The generation's deltas, recording latency and token metrics on the way."""
+    started = last = time.monotonic()
+    first = True
+    state.metrics.prompt_tokens.inc(generation.num_prompt_tokens)
+    async for delta in generation.deltas():
+        now = time.monotonic()
+        if delta.token_ids:
+            (state.metrics.ttft if first else state.metrics.itl).observe(now - last)
+            first, last = False, now
+            state.metrics.generation_tokens.inc(len(delta.token_ids))
+        yield delta
+    state.metrics.e2e.observe(time.monotonic() - started)
+
+
+def _usage(generation: Generation, completion_tokens: int) -> p.UsageInfo:
+    return p.UsageInfo(
+        prompt_tokens=generation.num_prompt_tokens, completion_tokens=completion_tokens
+    )
+
+
+async def _completion_response(
+    state: ServerState, body: p.CompletionRequest, generation: Generation
+) -> dict[str, Any]:
+    choices: dict[int, p.CompletionChoice] = {}
+    tokens = 0
+    async for d in _timed(state, generation):
+        choice = choices.setdefault(d.index, p.CompletionChoice(index=d.index, text=""))
+        choice.text += d.text
+        tokens += len(d.token_ids)
+        if d.finish_reason is not None:
+            choice.text = d.full_text if d.full_text is not None else choice.text
+            choice.finish_reason = p.openai_finish_reason(d.finish_reason)
+            choice.stop_reason = d.stop_reason
+    response = p.CompletionResponse(
+        model=state.model_name,
+        choices=[choices[i] for i in sorted(choices)],
+        usage=_usage(generation, tokens),
+    )
+    return response.model_dump()
+
+
+async def _completion_chunks(
+    state: ServerState, body: p.CompletionRequest, generation: Generation
+) -> AsyncIterator[str]:
+    template = p.CompletionStreamResponse(model=state.model_name, choices=[])
+    tokens = 0
+    async for d in _timed(state, generation):
+        tokens += len(d.token_ids)
+        choice = p.CompletionChoice(
+            index=d.index, text=d.text, finish_reason=p.openai_finish_reason(d.finish_reason)
+        )
+        yield sse_event(template.model_copy(update={"choices": [choice]}))
+    if body.stream_options and body.stream_options.include_usage:
+        yield sse_event(template.model_copy(update={"usage": _usage(generation, tokens)}))
+    yield SSE_DONE
+
+
+async def _chat_response(
+    state: ServerState, body: p.ChatCompletionRequest, generation: Generation
+) -> dict[str, Any]:
+    texts: dict[int, str] = {}
+    ends: dict[int, tuple[str | None, int | str | None]] = {}
+    tokens = 0
+    async for d in _timed(state, generation):
+        texts[d.index] = texts.get(d.index, "") + d.text
+        tokens += len(d.token_ids)
+        if d.finish_reason is not None:
+            texts[d.index] = d.full_text if d.full_text is not None else texts[d.index]
+            ends[d.index] = (p.openai_finish_reason(d.finish_reason), d.stop_reason)
+    choices = [
+        p.ChatChoice(
+            index=i,
+            message=p.ChatResponseMessage(content=texts[i]),
+            finish_reason=ends.get(i, (None, None))[0],
+            stop_reason=ends.get(i, (None, None))[1],
+        )
+        for i in sorted(texts)
+    ]
+    response = p.ChatCompletionResponse(
+        model=state.model_name, choices=choices, usage=_usage(generation, tokens)
+    )
+    return response.model_dump()
+
+
+async def _chat_chunks(
+    state: ServerState, body: p.ChatCompletionRequest, generation: Generation
+) -> AsyncIterator[str]:
+    template = p.ChatCompletionChunk(model=state.model_name, choices=[])
+    started: set[int] = set()
+    tokens = 0
+    async for d in _timed(state, generation):
+        tokens += len(d.token_ids)
+        delta = p.DeltaMessage(content=d.text)
+        if d.index not in started:  # the role comes once, in a choice's first chunk
+            started.add(d.index)
+            delta.role = "assistant"
+        choice = p.ChatChunkChoice(
+            index=d.index, delta=delta, finish_reason=p.openai_finish_reason(d.finish_reason)
+        )
+        yield sse_event(template.model_copy(update={"choices": [choice]}))
+    if body.stream_options and body.stream_options.include_usage:
+        yield sse_event(template.model_copy(update={"usage": _usage(generation, tokens)}))
+    yield SSE_DONE
+
+
+def _rank_json(member: Any) -> dict[str, Any]:
+    info, stats = member.info, member.stats
+    return {
+        "rank": member.rank,
+        "state": member.state.value,
+        "pod_name": member.pod_name,
+        "pid": member.pid,
+        "incarnation": member.incarnation,
+        "kv_cache_tokens": info.kv_cache_size_tokens if info else None,
+        "max_model_len": info.max_model_len if info else None,
+        "stats": None
+        if stats is None
+        else {
+            "waiting": stats.num_waiting_reqs,
+            "running": stats.num_running_reqs,
+            "kv_cache_usage": stats.kv_cache_usage,
+            "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+            "draining": stats.draining,
+            "steps": stats.step_counter,
+        },
+        "dead_reason": member.dead_reason or None,
+    }

@@ -1,0 +1,134 @@
+"""From an OpenAI request to a stream of per-choice deltas, over the fleet.
+
+One user request becomes one engine request per sample (``n``) and per prompt; each is streamed
+through :class:`FleetClient.generate` and folded by an :class:`OutputProcessor` (incremental
+detokenization, stop strings, logprobs) that belongs to this request alone. What comes out is a
+:class:`ChoiceDelta` per change: the new text and tokens of one choice, and its finish reason
+when it ends. The HTTP layer turns those into OpenAI chunks or one final response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from corefleet.engine.coordinator.fleet_client import FleetClient
+from corefleet.engine.frontend.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from corefleet.engine.frontend.output_processor import OutputProcessor
+from corefleet.engine.frontend.outputs import RequestOutput, TokenLogprob
+from corefleet.engine.protocol import EngineCoreOutput, EngineCoreRequest, SamplingParams
+from corefleet.engine.tokenizer import Tokenizer
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice gained since the last delta."""
+
+    index: int  # prompt index * n + sample index, as OpenAI numbers choices
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, TokenLogprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # On the finishing delta: the choice's whole text. A stop string can end inside text that
+    # was already streamed; a non-streamed response uses this, not the sum of the deltas.
+    full_text: str | None = None
+
+
+@dataclass
+class _Sent:
+    text: int = 0  # characters already sent
+    tokens: int = 0
+    finished: bool = False
+
+
+class Generation:
+    """Runs one user request (its prompts × ``n`` samples) and yields deltas."""
+
+    _ids = itertools.count()
+
+    def __init__(
+        self,
+        fleet: FleetClient,
+        tokenizer: Tokenizer,
+        inputs: InputProcessor,
+        prompts: Sequence[PromptType],
+        params: SamplingParams,
+        request_id: str,
+    ) -> None:
+        self.fleet = fleet
+        self.processor = OutputProcessor(tokenizer)
+        self.processed: list[ProcessedPrompt] = [inputs.process_prompt(p) for p in prompts]
+        self.engine_requests: list[EngineCoreRequest] = []
+        self._choice: dict[str, tuple[str, int, int]] = {}  # engine id -> parent, sample, choice
+        for p_index, prompt in enumerate(self.processed):
+            parent = f"{request_id}-{p_index}"
+            children = inputs.make_requests(parent, prompt, params)
+            self.processor.add_request(
+                parent,
+                prompt.prompt,
+                prompt.prompt_token_ids,
+                [c.request_id for c in children],
+                params,
+            )
+            for s_index, child in enumerate(children):
+                self._choice[child.request_id] = (parent, s_index, p_index * params.n + s_index)
+            self.engine_requests += children
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p.prompt_token_ids) for p in self.processed)
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """Every change of every choice until all are finished; aborts the rest if stopped."""
+        queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+
+        async def pump(request: EngineCoreRequest) -> None:
+            async for output in self.fleet.generate(request):
+                queue.put_nowait(output)
+
+        pumps = [asyncio.create_task(pump(r)) for r in self.engine_requests]
+        sent = {engine_id: _Sent() for engine_id in self._choice}
+        try:
+            while not all(s.finished for s in sent.values()):
+                output = await queue.get()
+                if output.request_id not in sent or sent[output.request_id].finished:
+                    continue
+                changed, to_abort = self.processor.process_outputs([output])
+                for engine_id in to_abort:  # a stop string: the engine does not know them
+                    await self.fleet.abort(engine_id)
+                delta = self._delta(output.request_id, changed, sent[output.request_id])
+                # Tokens that are not text yet (part of a UTF-8 character) make no chunk.
+                if delta is not None and (delta.text or delta.finish_reason is not None):
+                    yield delta
+        finally:
+            for task in pumps:  # a caller that stops early aborts what is still running
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+    def _delta(
+        self, engine_id: str, changed: list[RequestOutput], state: _Sent
+    ) -> ChoiceDelta | None:
+        parent_id, sample, choice = self._choice[engine_id]
+        parent = next((p for p in changed if p.request_id == parent_id), None)
+        if parent is None:
+            return None
+        completion = parent.outputs[sample]
+        text = completion.text[state.text :]
+        # Tokens stay pending until they show as text, so a chunk's tokens match its text.
+        tokens = completion.token_ids[state.tokens :] if text or completion.finished else []
+        delta = ChoiceDelta(choice, text, tokens, (completion.logprobs or [])[state.tokens :])
+        state.text = len(completion.text)
+        state.tokens += len(tokens)
+        if completion.finished:
+            state.finished = True
+            delta.finish_reason = completion.finish_reason
+            delta.stop_reason = completion.stop_reason
+            delta.full_text = completion.text
+        return delta
+
+    @classmethod
+    def new_id(cls) -> str:
+        return f"req-{next(cls._ids)}"
