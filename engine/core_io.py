@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import msgspec
 import zmq
+import zmq.utils.monitor
 
 from corefleet.engine.net import CurveKeys, make_socket
 from corefleet.engine.protocol import (
@@ -114,18 +115,30 @@ class InputThread(threading.Thread):
         sock = make_socket(
             self.ctx, zmq.DEALER, self.address, bind=False, identity=self.identity, curve=self.curve
         )
+        # A dropped connection is how a coordinator restart shows up here (ZMQ would reconnect
+        # by itself, but the new coordinator knows nothing of this rank): tell the busy loop.
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
             sock.send_multipart(MsgpackEncoder().encode(self.ready_response))
             self.ready.set()
             while not self.stop_event.is_set():
-                if sock.poll(_POLL_MS):
+                events = dict(poller.poll(_POLL_MS))
+                if sock in events:
                     self.dispatch(sock.recv_multipart(copy=False))
+                if monitor in events:
+                    zmq.utils.monitor.recv_monitor_message(monitor)
+                    self.engine.input_queue.put_nowait((RequestType.COORDINATOR_LOST, None))
         except Exception as exc:  # a bug here: the engine can no longer hear its clients
             logger.exception("the input thread failed")
             self.engine.input_queue.put_nowait(
                 (RequestType.EXECUTOR_FAILED, f"the input thread failed: {exc!r}")
             )
         finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close()
 
     def dispatch(self, frames: Sequence[zmq.Frame | bytes]) -> None:
@@ -191,6 +204,7 @@ class OutputThread(threading.Thread):
         # An item taken from the queue while merging that must be handled next (it may be the
         # None sentinel itself, hence a list rather than an Optional).
         self._carried: list[OutputItem] = []
+        self.abandoned = False  # the peer is gone: close without waiting to flush
 
     def run(self) -> None:
         sock = make_socket(self.ctx, zmq.PUSH, self.address, bind=False, curve=self.curve)
@@ -224,7 +238,7 @@ class OutputThread(threading.Thread):
         except Exception:
             logger.exception("the output thread failed")
         finally:
-            sock.close()
+            sock.close(linger=0 if self.abandoned else None)
 
     def _merge_backlog(self, item: tuple[int, EngineCoreOutputs]) -> EngineCoreOutputs:
         """Fold the step outputs already queued behind ``item`` into one message.

@@ -45,6 +45,7 @@ from corefleet.engine.protocol import (
     EngineCoreOutputs,
     EngineStats,
     FinishReason,
+    Init,
     ReadyResponse,
     RequestType,
     UtilityCall,
@@ -110,12 +111,20 @@ class EngineCoreProc(EngineCore):
         self._wake = threading.Event()
         self.ctx: zmq.Context = zmq.Context()
 
-        hello = own_hello(self.rank, config.compute_hash(), proc_config.pod_name)
+        self._hello = own_hello(self.rank, config.compute_hash(), proc_config.pod_name)
         handshake, init = connect_handshake(
-            self.ctx, proc_config.handshake_address, hello, proc_config.curve
+            self.ctx, proc_config.handshake_address, self._hello, proc_config.curve
         )
         super().__init__(config)  # load the model, allocate the KV cache, warm up
         self.executor.register_failure_callback(self._on_executor_failure)
+        self._waker = threading.Thread(target=self._forward_wakeups, name="corefleet-wake")
+        self._waker.daemon = True
+        self._waker.start()
+        self._start_io(handshake, init)
+
+    def _start_io(self, handshake: zmq.Socket, init: Init) -> None:
+        """Connect the socket threads to the addresses INIT gave, then say READY."""
+        proc_config = self.proc_config
         self.input_thread = InputThread(
             self.ctx,
             init.input_address,
@@ -134,10 +143,8 @@ class EngineCoreProc(EngineCore):
             proc_config.stats_interval_s,
             on_tick=self._check_parent,
         )
-        self._waker = threading.Thread(target=self._forward_wakeups, name="corefleet-wake")
-        self._waker.daemon = True
-        for thread in (self.output_thread, self._waker, self.input_thread):
-            thread.start()
+        self.output_thread.start()
+        self.input_thread.start()
         while not self.input_thread.ready.wait(1.0):
             if not self.input_thread.is_alive():
                 raise RuntimeError("the input thread died before the engine was ready")
@@ -204,6 +211,8 @@ class EngineCoreProc(EngineCore):
             self._call_utility(payload)
         elif kind is RequestType.EXECUTOR_FAILED:
             raise RuntimeError(payload or "the model executor failed")
+        elif kind is RequestType.COORDINATOR_LOST and self.shutdown_state is ShutdownState.RUNNING:
+            self._rehandshake()
         # WAKEUP: nothing to do; it only unblocked the loop.
 
     def _add(self, request: Request) -> None:
@@ -329,6 +338,28 @@ class EngineCoreProc(EngineCore):
             ]
             message = EngineCoreOutputs(outputs=outputs, finished_requests=ids)
             self.output_queue.put_nowait((client_index, message))
+
+    def _rehandshake(self) -> None:
+        """The coordinator went away (a restart, a new pod): join it again, keeping the model.
+
+        Requests in flight are dropped here: their streams ended with the old connection, and
+        a coordinator that survived a mere network blip has already moved them elsewhere.
+        """
+        dropped = self.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+        logger.warning(
+            "rank %d: lost the coordinator; dropped %d request(s), handshaking again",
+            self.rank,
+            len(dropped),
+        )
+        self.input_thread.stop_event.set()
+        self.output_thread.abandoned = True
+        self.output_queue.put_nowait(None)
+        self.input_thread.join(timeout=2.0)
+        self.output_thread.join(timeout=5.0)
+        handshake, init = connect_handshake(
+            self.ctx, self.proc_config.handshake_address, self._hello, self.proc_config.curve
+        )
+        self._start_io(handshake, init)
 
     def _on_executor_failure(self) -> None:
         self.input_queue.put_nowait((RequestType.EXECUTOR_FAILED, "the model executor failed"))

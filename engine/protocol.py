@@ -29,6 +29,7 @@ class RequestType(bytes, enum.Enum):
     # Internal sentinels, never sent by clients.
     EXECUTOR_FAILED = b"\x04"
     WAKEUP = b"\x05"
+    COORDINATOR_LOST = b"\x06"  # the input connection dropped: handshake again
 
 
 class FinishReason(enum.IntEnum):

@@ -86,8 +86,11 @@ class Membership:
                     f"rank {hello.rank} is held by pod {old.pod_name!r} (pid {old.pid}), "
                     "which is alive; each rank must run in one pod"
                 )
-            # The same pod said HELLO again: its previous process is gone (a restart).
-            self.declare_dead(hello.rank, "replaced by a new process of the same pod")
+            # The same pod said HELLO again: a new process (a container restart), or the same
+            # one after losing its connection. Either way the old session's requests moved.
+            again = old.pid == hello.pid
+            reason = "handshaking again" if again else "replaced by a new process of the same pod"
+            self.declare_dead(hello.rank, reason, clean=again)
         self._incarnations += 1
         self.members[hello.rank] = RankMember(
             rank=hello.rank,

@@ -78,7 +78,7 @@ def test_health_and_readiness_follow_the_engine(tmp_path: Path) -> None:
 
         # With work in flight (seconds of it), SIGTERM drains: alive, no longer ready.
         encoder = MsgpackEncoder()
-        for i in range(128):
+        for i in range(16):
             request = encoder.encode(EngineCoreRequest(f"long{i}", [5, 6, i], greedy(250)))
             engine.inputs.send_multipart([rank_identity(3), RequestType.ADD.value, *request])
         _wait_for_tokens(engine.outputs)

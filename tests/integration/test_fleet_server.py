@@ -86,3 +86,51 @@ def test_ranks_join_serve_leave_die_and_rejoin(tmp_path: Path) -> None:
         for proc in procs:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_ranks_rejoin_a_restarted_coordinator_without_reloading(tmp_path: Path) -> None:
+    model = write_tiny_llama(tmp_path / "m")
+    finished: set[str] = set()
+
+    def on_outputs(rank: int, outputs: EngineCoreOutputs) -> None:
+        finished.update(o.request_id for o in outputs.outputs if o.finished)
+
+    def server(handshake_port: int) -> FleetServer:
+        return FleetServer(
+            "127.0.0.1",
+            "127.0.0.1",
+            (handshake_port, 0, 0),
+            on_outputs=on_outputs,
+            on_rank_dead=lambda member: None,
+        )
+
+    async def scenario(procs: list[subprocess.Popen[bytes]]) -> None:
+        first = server(0)
+        await first.start()
+        port = first.ports[0]
+        procs += [spawn_rank(model, port, r) for r in (0, 1)]
+        await until(lambda: len(first.membership.accepting()) == 2, 90, "two ranks ready")
+        pids = {m.rank: m.pid for m in first.membership.members.values()}
+        await first.close()  # the coordinator goes away; the ranks keep running
+
+        # A new coordinator on the same handshake address (new input/output ports).
+        second = server(port)
+        await second.start()
+        try:
+            await until(lambda: len(second.membership.accepting()) == 2, 30, "ranks rejoined")
+            assert {m.rank: m.pid for m in second.membership.members.values()} == pids
+            assert all(proc.poll() is None for proc in procs)  # same processes, no reload
+            for rank in (0, 1):
+                request = EngineCoreRequest(f"after-{rank}", [5, 6, 7], greedy(4))
+                await second.send(rank, RequestType.ADD, request)
+            await until(lambda: {"after-0", "after-1"} <= finished, 30, "served after rejoin")
+        finally:
+            await second.close()
+
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        asyncio.run(scenario(procs))
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
