@@ -134,6 +134,10 @@ def make_socket(
     if bind:
         sock.bind(address)
     else:
+        # ZMQ resolves a host name (a Service's, which DNS may not know yet) and reconnects by
+        # itself; back off exponentially from 100 ms to 5 s instead of retrying at a fixed rate.
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
         sock.connect(address)
     return sock
 

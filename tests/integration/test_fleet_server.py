@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -126,6 +127,38 @@ def test_ranks_rejoin_a_restarted_coordinator_without_reloading(tmp_path: Path) 
             await until(lambda: {"after-0", "after-1"} <= finished, 30, "served after rejoin")
         finally:
             await second.close()
+
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        asyncio.run(scenario(procs))
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_a_rank_started_before_its_coordinator_joins_when_it_comes_up(tmp_path: Path) -> None:
+    model = write_tiny_llama(tmp_path / "m")
+    with socket.socket() as s:  # a port nobody listens on yet
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+
+    async def scenario(procs: list[subprocess.Popen[bytes]]) -> None:
+        procs.append(spawn_rank(model, port, 0))
+        await asyncio.sleep(4.0)  # the rank loads nothing yet: it waits for INIT, retrying
+        assert procs[0].poll() is None
+        server = FleetServer(
+            "127.0.0.1",
+            "127.0.0.1",
+            (port, 0, 0),
+            on_outputs=lambda rank, outputs: None,
+            on_rank_dead=lambda member: None,
+        )
+        await server.start()
+        try:
+            await until(lambda: len(server.membership.accepting()) == 1, 90, "rank joined")
+        finally:
+            await server.close()
 
     procs: list[subprocess.Popen[bytes]] = []
     try:
