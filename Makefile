@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml requirements-smollm2.txt
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/corefleet generate --chat --prompt "$${PROMPT:-What is Kubernetes? Answer in two sentences.}" --max-tokens 64
+	$(VENV)/bin/corefleet serve --port $${PORT:-8000}
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -22,12 +22,12 @@ from abc import ABC, abstractmethod
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from corefleet.engine import envs
 from corefleet.engine.config import EngineConfig
 from corefleet.engine.engine_core import EngineCore, is_utility
+from corefleet.engine.models.default_model import served_model_name
 from corefleet.engine.protocol import EngineCoreOutputs, EngineCoreRequest, ReadyResponse
 
 
@@ -120,7 +120,9 @@ class InprocClient(EngineCoreClient):
             block_size=config.cache.block_size,
             kv_cache_size_tokens=(self.engine.num_blocks - 1) * config.cache.block_size,
             vocab_size=self.engine.vocab_size,
-            model_name=config.model.served_model_name or Path(self.engine.model_path).stem,
+            model_name=served_model_name(
+                config.model.served_model_name, config.model.model, self.engine.model_path
+            ),
         )
         self._buffered: deque[EngineCoreOutputs] = deque()  # stepped while a utility waited
 

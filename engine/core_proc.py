@@ -21,7 +21,6 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import zmq
@@ -38,6 +37,7 @@ from corefleet.engine.core_io import (
 from corefleet.engine.engine_core import EngineCore, is_utility
 from corefleet.engine.handshake import connect_handshake, own_hello, rank_identity, send_ready
 from corefleet.engine.health import EngineState, HealthServer
+from corefleet.engine.models.default_model import served_model_name
 from corefleet.engine.net import CurveKeys
 from corefleet.engine.protocol import (
     ENGINE_CORE_DEAD,
@@ -153,7 +153,8 @@ class EngineCoreProc(EngineCore):
 
     def _ready_response(self) -> ReadyResponse:
         block_size = self.config.cache.block_size
-        name = self.config.model.served_model_name or Path(self.model_path).stem
+        model = self.config.model
+        name = served_model_name(model.served_model_name, model.model, self.model_path)
         return ReadyResponse(
             rank=self.rank,
             max_model_len=self.max_model_len,

@@ -21,7 +21,6 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import uvicorn
 
@@ -30,6 +29,7 @@ from corefleet.engine.config import EngineConfig
 from corefleet.engine.coordinator.fleet_client import FleetClient
 from corefleet.engine.coordinator.routing import make_policy
 from corefleet.engine.engine_args import engine_argv_from_config
+from corefleet.engine.models.default_model import served_model_name
 from corefleet.engine.models.loader import resolve_model_path
 from corefleet.engine.net import load_curve_keys
 from corefleet.engine.openai.api_server import ServerState, build_app
@@ -95,7 +95,7 @@ async def run(options: CoordinatorOptions, local_ranks: LocalRanks | None = None
     """Serve until a signal; returns the exit code."""
     model_path = resolve_model_path(options.model)
     tokenizer = Tokenizer.from_model_path(model_path)
-    model_name = options.served_model_name or Path(model_path).stem
+    model_name = served_model_name(options.served_model_name, options.model, model_path)
     fleet = FleetClient(
         policy=make_policy(options.routing, options.block_size),
         max_migrations=options.max_migrations,

