@@ -80,7 +80,9 @@ class FleetClient:
         self.wait_for_rank_s = wait_for_rank_s
         self.counters = FleetCounters()
         self._requests: dict[str, _InFlight] = {}
-        self._bumps: dict[int, int] = {}  # rank -> requests routed since its last stats
+        # rank -> requests routed there since its last stats and not finished yet (vLLM's
+        # optimistic bump, made exact for short requests that end before the next stats).
+        self._bumps: dict[int, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.server = server_factory(
             on_outputs=self._on_outputs,
@@ -120,6 +122,11 @@ class FleetClient:
                 state.finished = True
                 await self._send_abort(state)
             self._requests.pop(request.request_id, None)
+
+    def rank_of(self, request_id: str) -> int | None:
+        """The rank serving a request now (None if unknown or being re-routed)."""
+        state = self._requests.get(request_id)
+        return state.rank if state is not None and state.rank >= 0 else None
 
     async def abort(self, request_id: str) -> None:
         state = self._requests.get(request_id)
@@ -197,6 +204,8 @@ class FleetClient:
             state.generated += output.new_token_ids
             if output.finished:
                 state.finished = True
+                # A request that ended since the rank's last stats no longer loads it.
+                self._bumps[rank] = max(0, self._bumps.get(rank, 0) - 1)
             state.queue.put_nowait(output)
 
     def _on_rank_dead(self, member: RankMember) -> None:

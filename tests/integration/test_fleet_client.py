@@ -129,3 +129,52 @@ def test_a_request_fails_clearly_when_no_rank_ever_comes(tmp_path: Path) -> None
 
     tokens, reason = asyncio.run(scenario())
     assert tokens == [] and reason == str(FinishReason.ERROR)
+
+
+def test_prefix_aware_routing_keeps_a_repeated_prefix_on_one_rank(tmp_path: Path) -> None:
+    model = write_tiny_llama(tmp_path / "m")
+    procs: list[subprocess.Popen[bytes]] = []
+    shared = [5 + (i * 7) % 250 for i in range(64)]  # 16 blocks of 4 tokens
+
+    async def scenario() -> tuple[list[int], list[int]]:
+        fleet = FleetClient(
+            policy=make_policy("prefix-aware", block_size=4),
+            bind_host="127.0.0.1",
+            advertise_host="127.0.0.1",
+            ports=(0, 0, 0),
+        )
+        await fleet.start()
+        try:
+            procs.extend(spawn_rank(model, fleet.server.ports[0], r) for r in (0, 1))
+            await until(lambda: len(fleet.membership.accepting()) == 2, 90, "two ranks ready")
+
+            async def rank_of(request: EngineCoreRequest) -> int:
+                stream = fleet.generate(request)
+                await anext(stream)  # routed and producing
+                rank = fleet.rank_of(request.request_id)
+                async for _ in stream:
+                    pass
+                assert rank is not None
+                return rank
+
+            same = [
+                await rank_of(EngineCoreRequest(f"p{i}", [*shared, 300 + i], greedy(2)))
+                for i in range(6)
+            ]
+            # Unrelated prompts still spread over both ranks.
+            other = [
+                await rank_of(EngineCoreRequest(f"o{i}", [7 + i, 9, 11 + i], greedy(2)))
+                for i in range(6)
+            ]
+            return same, other
+        finally:
+            await fleet.close()
+
+    try:
+        same, other = asyncio.run(scenario())
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert len(set(same)) == 1, same
+    assert set(other) == {0, 1}, other
