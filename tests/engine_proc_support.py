@@ -7,9 +7,10 @@ import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import zmq
 
@@ -20,6 +21,7 @@ from corefleet.engine.handshake import HandshakeServer
 from corefleet.engine.net import bound_address, make_socket
 from corefleet.engine.protocol import EngineCoreRequest, FinishReason, SamplingParams
 
+T = TypeVar("T")
 TESTS_DIR = Path(__file__).resolve().parent
 
 
@@ -159,3 +161,17 @@ async def until(condition: Callable[[], bool], timeout: float, what: str) -> Non
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: not within {timeout} s")
         await asyncio.sleep(0.05)
+
+
+def run_with_processes(
+    scenario: Callable[[list[subprocess.Popen[bytes]]], Coroutine[object, object, T]],
+) -> T:
+    """Run an asyncio scenario that starts processes into the list it is given; every one of
+    them is killed afterwards, whatever happened."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        return asyncio.run(scenario(procs))
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)

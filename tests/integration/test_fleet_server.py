@@ -15,7 +15,7 @@ import pytest
 from corefleet.engine.coordinator.membership import RankMember, RankState
 from corefleet.engine.coordinator.server import FleetServer
 from corefleet.engine.protocol import EngineCoreOutputs, EngineCoreRequest, RequestType
-from tests.engine_proc_support import greedy, spawn_rank, until
+from tests.engine_proc_support import greedy, run_with_processes, spawn_rank, until
 from tests.fixtures_models import write_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -80,13 +80,7 @@ def test_ranks_join_serve_leave_die_and_rejoin(tmp_path: Path) -> None:
         finally:
             await server.close()
 
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        asyncio.run(scenario(procs))
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait(timeout=10)
+    run_with_processes(scenario)
 
 
 def test_ranks_rejoin_a_restarted_coordinator_without_reloading(tmp_path: Path) -> None:
@@ -128,13 +122,7 @@ def test_ranks_rejoin_a_restarted_coordinator_without_reloading(tmp_path: Path) 
         finally:
             await second.close()
 
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        asyncio.run(scenario(procs))
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait(timeout=10)
+    run_with_processes(scenario)
 
 
 def test_a_rank_started_before_its_coordinator_joins_when_it_comes_up(tmp_path: Path) -> None:
@@ -160,10 +148,4 @@ def test_a_rank_started_before_its_coordinator_joins_when_it_comes_up(tmp_path: 
         finally:
             await server.close()
 
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        asyncio.run(scenario(procs))
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait(timeout=10)
+    run_with_processes(scenario)
