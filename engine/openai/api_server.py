@@ -21,6 +21,7 @@ from corefleet.engine.coordinator.fleet_client import FleetClient
 from corefleet.engine.frontend.input_processor import InputProcessor
 from corefleet.engine.openai import protocol as p
 from corefleet.engine.openai.errors import SSE_DONE, RequestError, parse_request, sse_event
+from corefleet.engine.openai.logprobs import chat_logprobs, completion_logprobs
 from corefleet.engine.openai.metrics import ServingMetrics
 from corefleet.engine.openai.serving import ChoiceDelta, Generation
 from corefleet.engine.protocol import ReadyResponse
@@ -174,8 +175,12 @@ async def _completion_response(
 ) -> dict[str, Any]:
     choices: dict[int, p.CompletionChoice] = {}
     tokens = 0
+    top_k = generation.params.logprobs
     async for d in _timed(state, generation):
         choice = choices.setdefault(d.index, p.CompletionChoice(index=d.index, text=""))
+        if top_k is not None:
+            more = completion_logprobs(d.token_ids, d.logprobs, top_k, len(choice.text))
+            choice.logprobs = _extend_completion(choice.logprobs, more)
         choice.text += d.text
         tokens += len(d.token_ids)
         if d.finish_reason is not None:
@@ -195,11 +200,17 @@ async def _completion_chunks(
 ) -> AsyncIterator[str]:
     template = p.CompletionStreamResponse(model=state.model_name, choices=[])
     tokens = 0
+    top_k = generation.params.logprobs
+    offsets: dict[int, int] = {}
     async for d in _timed(state, generation):
         tokens += len(d.token_ids)
         choice = p.CompletionChoice(
             index=d.index, text=d.text, finish_reason=p.openai_finish_reason(d.finish_reason)
         )
+        if top_k is not None:
+            offset = offsets.get(d.index, 0)
+            choice.logprobs = completion_logprobs(d.token_ids, d.logprobs, top_k, offset)
+        offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
         yield sse_event(template.model_copy(update={"choices": [choice]}))
     if body.stream_options and body.stream_options.include_usage:
         yield sse_event(template.model_copy(update={"usage": _usage(generation, tokens)}))
@@ -211,8 +222,13 @@ async def _chat_response(
 ) -> dict[str, Any]:
     texts: dict[int, str] = {}
     ends: dict[int, tuple[str | None, int | str | None]] = {}
+    logprobs: dict[int, p.ChatLogprobs] = {}
     tokens = 0
+    top_k = generation.params.logprobs
     async for d in _timed(state, generation):
+        if top_k is not None:
+            content = chat_logprobs(d.token_ids, d.logprobs, top_k).content or []
+            logprobs.setdefault(d.index, p.ChatLogprobs(content=[])).content += content
         texts[d.index] = texts.get(d.index, "") + d.text
         tokens += len(d.token_ids)
         if d.finish_reason is not None:
@@ -222,6 +238,7 @@ async def _chat_response(
         p.ChatChoice(
             index=i,
             message=p.ChatResponseMessage(content=texts[i]),
+            logprobs=logprobs.get(i),
             finish_reason=ends.get(i, (None, None))[0],
             stop_reason=ends.get(i, (None, None))[1],
         )
@@ -248,6 +265,8 @@ async def _chat_chunks(
         choice = p.ChatChunkChoice(
             index=d.index, delta=delta, finish_reason=p.openai_finish_reason(d.finish_reason)
         )
+        if generation.params.logprobs is not None:
+            choice.logprobs = chat_logprobs(d.token_ids, d.logprobs, generation.params.logprobs)
         yield sse_event(template.model_copy(update={"choices": [choice]}))
     if body.stream_options and body.stream_options.include_usage:
         yield sse_event(template.model_copy(update={"usage": _usage(generation, tokens)}))
@@ -276,3 +295,15 @@ def _rank_json(member: Any) -> dict[str, Any]:
         },
         "dead_reason": member.dead_reason or None,
     }
+
+
+def _extend_completion(
+    so_far: p.CompletionLogprobs | None, more: p.CompletionLogprobs
+) -> p.CompletionLogprobs:
+    if so_far is None:
+        return more
+    so_far.tokens += more.tokens
+    so_far.token_logprobs += more.token_logprobs
+    so_far.top_logprobs += more.top_logprobs
+    so_far.text_offset += more.text_offset
+    return so_far

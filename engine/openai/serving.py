@@ -59,6 +59,7 @@ class Generation:
         request_id: str,
     ) -> None:
         self.fleet = fleet
+        self.params = params
         self.processor = OutputProcessor(tokenizer)
         self.processed: list[ProcessedPrompt] = [inputs.process_prompt(p) for p in prompts]
         self.engine_requests: list[EngineCoreRequest] = []

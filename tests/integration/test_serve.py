@@ -191,3 +191,32 @@ def test_a_client_that_disconnects_mid_stream_frees_its_request(server: str) -> 
             break
         assert time.monotonic() < deadline, f"still running after disconnect: {busy}"
         time.sleep(0.2)
+
+
+def test_logprobs_come_back_in_both_formats(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == chat.usage.completion_tokens  # type: ignore[union-attr]
+    for token in content:
+        assert len(token.top_logprobs) == 2
+        assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
+        assert token.logprob == token.top_logprobs[0].logprob  # greedy takes the best
+    completion = client.completions.create(
+        model="m", prompt="Hello", max_tokens=4, temperature=0.0, logprobs=3
+    )
+    lp = completion.choices[0].logprobs
+    assert lp is not None and len(lp.token_logprobs or []) == 4
+    # Keyed by decoded text: alternatives that decode alike (e.g. partial UTF-8) share a key.
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs or [])
+    assert all(
+        max(top.values()) == value
+        for top, value in zip(lp.top_logprobs or [], lp.token_logprobs or [], strict=True)
+    )
+    assert lp.text_offset == sorted(lp.text_offset or [])
