@@ -226,6 +226,10 @@ def build_coordinator_service(owner: Owner, spec: EngineSpec) -> dict[str, Any]:
     body = {
         "type": spec.coordinator.service_type,
         "selector": selector_labels(owner.name, "coordinator"),
+        # The coordinator is ready only once a rank is, and ranks reach it through this
+        # Service: without this, neither could ever become ready. HTTP clients of a coordinator
+        # with no rank get a retryable 503 instead of a refused connection.
+        "publishNotReadyAddresses": True,
         "ports": [
             http,
             {

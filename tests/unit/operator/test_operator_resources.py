@@ -133,3 +133,10 @@ def test_pod_hash_ignores_the_rank_count_but_not_the_engine_flags():
 
 def _raw():
     return {"image": "i", "model": {"path": "/m"}}
+
+
+def test_ranks_reach_a_coordinator_that_is_not_ready_yet():
+    # The coordinator is Ready only once a rank is; ranks dial its Service to become ready.
+    service = resources.build_coordinator_service(OWNER, SPEC)
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert "handshake" in [p["name"] for p in service["spec"]["ports"]]
