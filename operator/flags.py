@@ -57,6 +57,12 @@ def coordinator_args(name: str, spec: EngineSpec) -> list[str]:
         ROUTING_FLAGS[spec.coordinator.routing],
         "--model",
         spec.model.path,
+        # Prefix-aware routing hashes prompts in the ranks' KV block size; a stopping
+        # coordinator lets open streams finish within the same time a rank drains.
+        "--block-size",
+        str(spec.engine.block_size),
+        "--shutdown-timeout",
+        str(spec.shutdown.effective_timeout_seconds),
     ]
     if spec.model.served_model_name:
         args += ["--served-model-name", spec.model.served_model_name]
