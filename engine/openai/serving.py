@@ -60,6 +60,7 @@ class Generation:
     ) -> None:
         self.fleet = fleet
         self.params = params
+        self._stop_holdback = max((len(s) for s in params.stop), default=1) - 1
         self.processor = OutputProcessor(tokenizer)
         self.processed: list[ProcessedPrompt] = [inputs.process_prompt(p) for p in prompts]
         self.engine_requests: list[EngineCoreRequest] = []
@@ -117,11 +118,17 @@ class Generation:
         if parent is None:
             return None
         completion = parent.outputs[sample]
-        text = completion.text[state.text :]
+        # Hold back the last characters that could still be the start of a stop string: once
+        # streamed, text cannot be taken back when the stop string completes in a later token.
+        end = len(completion.text)
+        if not completion.finished:
+            end = max(state.text, end - self._stop_holdback)
+        text = completion.text[state.text : end]
         # Tokens stay pending until they show as text, so a chunk's tokens match its text.
         tokens = completion.token_ids[state.tokens :] if text or completion.finished else []
-        delta = ChoiceDelta(choice, text, tokens, (completion.logprobs or [])[state.tokens :])
-        state.text = len(completion.text)
+        rows = (completion.logprobs or [])[state.tokens : state.tokens + len(tokens)]
+        delta = ChoiceDelta(choice, text, tokens, rows)
+        state.text = end
         state.tokens += len(tokens)
         if completion.finished:
             state.finished = True

@@ -220,3 +220,17 @@ def test_logprobs_come_back_in_both_formats(client: openai.OpenAI) -> None:
         for top, value in zip(lp.top_logprobs or [], lp.token_logprobs or [], strict=True)
     )
     assert lp.text_offset == sorted(lp.text_offset or [])
+
+
+def test_a_streamed_answer_never_shows_its_stop_string(
+    client: openai.OpenAI, offline: list[str]
+) -> None:
+    text = offline[1]
+    for stop in (text[4:7], text[2:4]):  # stop strings that span several tokens
+        stream = client.completions.create(
+            model="m", prompt=PROMPTS[1], max_tokens=12, temperature=0.0, stop=[stop], stream=True
+        )
+        chunks = list(stream)
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert streamed == text[: text.index(stop)]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
