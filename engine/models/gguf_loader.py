@@ -20,12 +20,14 @@ import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from corefleet.engine.models.arch import ArchConfig
+
+if TYPE_CHECKING:  # torch only for annotations: the coordinator reads models without it
+    import torch
 
 # GGUF general.architecture -> the HF architecture our model code implements.
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -342,6 +344,8 @@ def _generate_gguf_weights(
         if not array.flags.writeable:
             # F32 tensors come back as views of the read-only memory map.
             array = array.copy()
+        import torch  # here, not at the top: reading metadata must not need torch
+
         weight = torch.from_numpy(array)
         if permuted and tensor.name.endswith((".attn_q.weight", ".attn_q.bias")):
             weight = unpermute_rotary(weight, heads)

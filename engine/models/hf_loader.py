@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from corefleet.engine.models.arch import ArchConfig
+
+if TYPE_CHECKING:  # torch only for annotations: the coordinator reads models without it
+    import torch
 
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _INDEX_FILE = "model.safetensors.index.json"

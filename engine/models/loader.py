@@ -14,8 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from corefleet.engine.models.arch import ArchConfig
 from corefleet.engine.models.default_model import default_model_path
@@ -30,6 +29,9 @@ from corefleet.engine.models.hf_loader import (
     read_hf_arch_config,
     read_hf_config,
 )
+
+if TYPE_CHECKING:  # torch only for annotations: the coordinator reads models without it
+    import torch
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
