@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,18 +12,13 @@ import pytest
 
 from corefleet.engine import LLM, SamplingParams
 from tests.fixtures_models import write_tiny_llama
+from tests.serve_support import running_serve
 
 pytestmark = pytest.mark.slow
 
 API_KEY = "test-key"
 ENGINE_FLAGS = ("--dtype", "float32", "--kv-cache-memory", str(8 << 20), "--block-size", "4")
 PROMPTS = ["Hello world", "The quick brown fox", "def add(a, b):"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -37,33 +28,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model: Path) -> Iterator[str]:
-    port = _free_port()
-    argv = [
-        sys.executable,
-        *(["-P"] if sys.version_info >= (3, 11) else []),
-        *("-m", "corefleet.engine.cli", "serve", "--model", str(model)),
-        *("--data-parallel-size", "2", "--port", str(port), "--api-key", API_KEY),
-        *ENGINE_FLAGS,
-    ]
-    proc = subprocess.Popen(argv)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"corefleet serve exited with {proc.returncode}"
-            try:
-                if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "corefleet serve never became ready"
-            time.sleep(0.2)
+    flags = ("--model", str(model), "--data-parallel-size", "2", "--api-key", API_KEY)
+    with running_serve(*flags, *ENGINE_FLAGS) as base:
         yield base
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")

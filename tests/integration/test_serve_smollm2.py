@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import signal
-import socket
-import subprocess
-import sys
-import time
-
-import httpx
 import openai
 import pytest
 
 from corefleet.engine import LLM, SamplingParams
+from tests.serve_support import running_serve
 
 pytestmark = pytest.mark.slow
 
@@ -28,24 +22,8 @@ def test_serve_equals_offline_on_smollm2() -> None:
     expected_chat = llm.chat(QUESTION, greedy, use_tqdm=False)[0].outputs[0].text
     llm.shutdown()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    isolated = ["-P"] if sys.version_info >= (3, 11) else []
-    argv = [sys.executable, *isolated, "-m", "corefleet.engine.cli", "serve", "--port", str(port)]
-    proc = subprocess.Popen([*argv, *FLAGS])
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, "corefleet serve exited"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "not ready in 120 s"
-            time.sleep(0.2)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=120)
+    with running_serve(*FLAGS) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=120)
         assert [m.id for m in client.models.list()] == ["SmolLM2-135M-Instruct"]
         completion = client.completions.create(
             model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=24, temperature=0.0
@@ -60,8 +38,3 @@ def test_serve_equals_offline_on_smollm2() -> None:
         )
         streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert streamed == expected_chat and "Paris" in streamed
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
