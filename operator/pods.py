@@ -168,6 +168,11 @@ def diagnose(pod: Pod, now: datetime.datetime, joined: str | None = None) -> Dia
         if joined == "draining":
             return Diagnosis("Draining", "draining: takes no new requests", "Draining")
         return Diagnosis("Ready", "serving", "Ready")
+    last = _last_exit(container)
+    if last and "running" in (container.get("state") or {}):
+        # It served (or tried to) and its process died: the kubelet restarted it in place.
+        # Reported apart from a first start so the status can say the fleet is degraded.
+        return Diagnosis("Loading", f"restarted after {last}; loading again", "Restarted")
     if status.get("phase") == "Running" and "running" in (container.get("state") or {}):
         if joined in (None, "loading"):
             return Diagnosis("Loading", "loading the model and warming up", "Loading")

@@ -89,6 +89,11 @@ def _degraded(ranks: Sequence[Mapping[str, Any]], plan: Plan, ctx: Context) -> C
             return Condition(
                 "Degraded", "True", entry["reason"], f"rank {entry['rank']}: {entry['message']}"
             )
+    for entry in ranks:
+        if entry["reason"] == "Restarted":  # a rank lost its process and is reloading
+            return Condition(
+                "Degraded", "True", "RankRestarted", f"rank {entry['rank']}: {entry['message']}"
+            )
     if plan.deadline_exceeded:
         return Condition(
             "Degraded",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 
 import pytest
 from operator_fixtures import CURRENT, NOW, OLD, OWNER, children, pod, spec
@@ -132,6 +133,17 @@ DIAGNOSES = {
         "absent",
         ("Handshaking", "Handshaking"),
     ),
+    "restarted once, reloading": (
+        with_status(
+            container(
+                restartCount=1,
+                state={"running": {}},
+                lastState={"terminated": {"reason": "Error", "exitCode": 137}},
+            )
+        ),
+        "absent",
+        ("Loading", "Restarted"),
+    ),
     "terminating": (pod(0, terminating=True), None, ("Draining", "Draining")),
     "ready but draining": (pod(0), "draining", ("Draining", "Draining")),
 }
@@ -148,6 +160,23 @@ def test_messages_name_the_cause():
     assert "Insufficient nvidia.com/gpu" in diagnose(DIAGNOSES["no gpu"][0], NOW).message
     assert "ghcr.io/x/engine:1" in diagnose(DIAGNOSES["image pull"][0], NOW).message
     assert "OOMKilled (code 137)" in diagnose(DIAGNOSES["oom loop"][0], NOW).message
+    assert "Error (code 137)" in diagnose(DIAGNOSES["restarted once, reloading"][0], NOW).message
+
+
+def test_a_rank_restarted_in_place_degrades_until_ready_again():
+    lost = with_status(
+        container(
+            restartCount=1,
+            state={"running": {}},
+            lastState={"terminated": {"reason": "Error", "exitCode": 137}},
+        )
+    )
+    status = status_for(2, [pod(0), lost])
+    assert conditions(status)["Degraded"] == ("True", "RankRestarted")
+    assert conditions(status)["Ready"] == ("False", "RanksNotReady")
+    back = json.loads(json.dumps(lost))
+    back["status"]["conditions"] = [{"type": "Ready", "status": "True"}]
+    assert conditions(status_for(2, [pod(0), back]))["Degraded"] == ("False", "AllRanksHealthy")
 
 
 def status_for(ranks: int, pods: list, previous: dict | None = None, **ctx):
