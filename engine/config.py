@@ -62,10 +62,11 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _require(
-            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            # 256: flash-attn 2's paged kernel takes only multiples of 256 tokens per block.
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
             "block_size",
             self.block_size,
-            "must be a power of two up to 128",
+            "must be a power of two up to 256",
         )
         _require(
             self.kv_cache_memory > 0,

@@ -93,8 +93,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--attention-backend",
         default="auto",
         choices=["auto", "torch", "cpu", "triton", "flash-attn"],
-        help="paged attention implementation: auto picks the best available (the C++ CPU kernel "
-        "on CPU, falling back to the torch reference if it cannot be built)",
+        help="kernels for attention and the layer ops: auto picks the best available (on CUDA "
+        "flash-attn if installed and the dtype and --block-size fit it, else triton; on CPU the "
+        "C++ ops, falling back to the torch reference if they cannot be built); triton runs on "
+        "CPU only under TRITON_INTERPRET=1",
     )
     g.add_argument("--seed", type=int, default=0, help="seed for weights-free randomness")
     g.add_argument(

@@ -1,7 +1,16 @@
 """The one place the kernel implementations are chosen (once, at start-up).
 
-The model code calls ``backend.linear``, ``backend.write_kv_cache`` and
-``backend.paged_attention`` and never branches on which backend it got.
+The model code calls ``backend.linear``, ``backend.rms_norm``, ``backend.write_kv_cache``,
+``backend.paged_attention`` and the rest of the protocol below, and never branches on which
+backend it got. Backends:
+
+- ``torch``: ``reference.py``, readable torch; the oracle, and correct on any device.
+- ``cpu``: the C++ CPU ops (``cpu_attention.py``), the CPU default.
+- ``triton``: Triton kernels (``triton_backend.py``); on CUDA, or on CPU under
+  ``TRITON_INTERPRET=1`` (tests).
+- ``flash-attn``: flash-attn's varlen paged kernel for attention, Triton for the rest.
+
+Triton and flash-attn are imported only when selected, so the engine runs without them.
 """
 
 from __future__ import annotations
@@ -23,6 +32,12 @@ class AttentionBackend(Protocol):
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def needs_block_tables(self) -> bool:
+        """True: attention reads ``AttentionMetadata.block_tables``/``seq_lens``/
+        ``query_start_loc``; False: the torch path's decode tables, masks and prefill spans."""
+        ...
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -64,6 +79,7 @@ class TorchReferenceBackend:
     """The readable torch implementation; the CPU path."""
 
     name: str = "torch"
+    needs_block_tables: bool = False
 
     def linear(
         self,
@@ -117,25 +133,37 @@ class TorchReferenceBackend:
         return reference.paged_attention(query, key, value, k_cache, v_cache, meta, scale)
 
 
-def select_attention_backend(requested: str, device: torch.device) -> AttentionBackend:
+def select_attention_backend(
+    requested: str,
+    device: torch.device,
+    *,
+    dtype: torch.dtype | None = None,
+    block_size: int | None = None,
+) -> AttentionBackend:
     """Resolve ``--attention-backend`` (auto|torch|cpu|triton|flash-attn) for ``device``.
 
-    auto: flash-attn if importable on CUDA, else Triton on CUDA, else the torch reference; on
-    the CPU the C++ decode kernel ("cpu"), falling back to the torch reference (with a
-    warning) when it cannot be built here.
+    auto on CUDA: flash-attn if importable and it fits ``dtype`` and ``block_size`` (see
+    ``flash_attn_backend``), else Triton if importable, else the torch reference. auto on the
+    CPU: the C++ ops ("cpu"), falling back to the torch reference (with a warning) when they
+    cannot be built here.
+
+    Raises:
+        ValueError: an explicit choice that cannot run here, with the reason and what to use.
     """
     backend: AttentionBackend
     if requested == "auto" and device.type == "cpu":
         backend = _cpu_backend_or_reference()
     elif requested == "auto":
-        backend = _build(_best_cuda_backend(), device)
+        backend = _build(_best_cuda_backend(device, dtype, block_size), device, dtype, block_size)
     else:
-        backend = _build(requested, device)
+        backend = _build(requested, device, dtype, block_size)
     logger.info("attention backend: %s on %s", backend.name, device)
     return backend
 
 
-def _build(name: str, device: torch.device) -> AttentionBackend:
+def _build(
+    name: str, device: torch.device, dtype: torch.dtype | None, block_size: int | None
+) -> AttentionBackend:
     if name == "torch":
         return TorchReferenceBackend()
     if name == "cpu":
@@ -144,9 +172,37 @@ def _build(name: str, device: torch.device) -> AttentionBackend:
         from corefleet.kernels import cpu_attention  # imported only when asked for
 
         return cpu_attention.CpuPagedAttentionBackend()
-    raise ValueError(
-        f"attention backend {name!r} is not available in this build; use --attention-backend torch"
-    )
+    if name == "triton":
+        _check_triton(device)
+        from corefleet.kernels.triton_backend import TritonBackend
+
+        return TritonBackend()
+    if name == "flash-attn":
+        from corefleet.kernels import flash_attn_backend
+
+        reason = flash_attn_backend.flash_attn_unfit_reason(device, dtype, block_size)
+        if reason is not None:
+            raise ValueError(f"attention backend 'flash-attn' cannot run here: {reason}")
+        _check_triton(device)  # its layer ops are the Triton kernels
+        return flash_attn_backend.FlashAttnBackend()
+    raise ValueError(f"unknown attention backend {name!r}")
+
+
+def _check_triton(device: torch.device) -> None:
+    from corefleet.kernels import triton_support
+
+    if not triton_support.triton_installed():
+        raise ValueError(
+            "attention backend 'triton' needs the triton package (torch's CUDA wheels bring "
+            "it; pip install triton==3.7.1); use --attention-backend torch"
+        )
+    if device.type == "cpu" and not triton_support.interpreter_enabled():
+        raise ValueError(
+            "attention backend 'triton' runs on the CPU only under Triton's interpreter "
+            "(TRITON_INTERPRET=1, slow; for tests); use --attention-backend cpu or torch"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"attention backend 'triton' needs a CUDA device, got {device}")
 
 
 def _cpu_backend_or_reference() -> AttentionBackend:
@@ -165,7 +221,16 @@ def _cpu_backend_or_reference() -> AttentionBackend:
         return TorchReferenceBackend()
 
 
-def _best_cuda_backend() -> str:
-    # The Triton and flash-attn paths are not part of this build yet; CUDA runs the torch
-    # reference, which is correct but not fast.
+def _best_cuda_backend(
+    device: torch.device, dtype: torch.dtype | None, block_size: int | None
+) -> str:
+    from corefleet.kernels import flash_attn_backend, triton_support
+
+    reason = flash_attn_backend.flash_attn_unfit_reason(device, dtype, block_size)
+    if reason is None and triton_support.triton_installed():
+        return "flash-attn"
+    if triton_support.triton_installed():
+        logger.info("not using flash-attn: %s", reason or "triton is not installed")
+        return "triton"
+    logger.warning("triton is not installed: CUDA runs the torch reference kernels (slow)")
     return "torch"

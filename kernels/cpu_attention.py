@@ -64,6 +64,10 @@ class CpuPagedAttentionBackend:
     def name(self) -> str:
         return "cpu"
 
+    @property
+    def needs_block_tables(self) -> bool:
+        return False
+
     def linear(
         self,
         x: torch.Tensor,  # [T, K]

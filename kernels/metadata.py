@@ -1,8 +1,13 @@
 """Per-step attention inputs, built once by the model runner and shared by every layer.
 
 Batch layout: the flattened token batch holds the *decode-like* requests first (one new token
-each), then the requests that compute several tokens this step (prefill chunks). Decode rows are
-attended to in one padded, vectorised call; multi-token rows one request at a time.
+each), then the requests that compute several tokens this step (prefill chunks).
+
+Two sets of fields, filled for the backend in use (``AttentionBackend.needs_block_tables``):
+the torch and C++ CPU paths take precomputed gathers (decode rows attended to in one padded,
+vectorised call; multi-token rows one request at a time); the Triton and flash-attn kernels
+walk each request's block table themselves and take the block tables, lengths and query
+offsets of every request instead.
 """
 
 from __future__ import annotations
@@ -36,7 +41,10 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64, cached + the new token
     prefills: list[PrefillSpan]
     # For backends that take block tables directly (Triton, flash-attn); the torch path uses
-    # the precomputed slots above.
+    # the precomputed slots above. Requests in batch order; block ids past a request's last
+    # block are 0 and never read.
     block_tables: torch.Tensor | None = None  # [num_reqs, max_blocks] int32
     seq_lens: torch.Tensor | None = None  # [num_reqs] int32, context length after this step
-    query_start_loc: torch.Tensor | None = None  # [num_reqs + 1] int32
+    query_start_loc: torch.Tensor | None = None  # [num_reqs + 1] int32: rows of request r
+    max_query_len: int = 0  # longest query_start_loc[r + 1] - query_start_loc[r] (grid size)
+    max_seq_len: int = 0  # longest seq_lens[r] (flash-attn's max_seqlen_k)

@@ -43,7 +43,9 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         assert config.model.max_model_len is not None, "max_model_len must be resolved"
         self.max_model_len = config.model.max_model_len
-        self.backend = select_attention_backend(config.device.attention_backend, device)
+        self.backend = select_attention_backend(
+            config.device.attention_backend, device, dtype=dtype, block_size=self.block_size
+        )
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[KVCache] = []
         self.sampler = Sampler()
@@ -118,6 +120,14 @@ class ModelRunner:
             decode_mask=None,
             decode_context_lens=None,
             prefills=[PrefillSpan(0, num_tokens, num_tokens, None)],
+            # One request whose every block is block 0, for block-table backends.
+            block_tables=self._to_device(
+                np.zeros((1, -(-num_tokens // self.block_size)), dtype=np.int32)
+            ),
+            seq_lens=self._to_device(np.array([num_tokens], dtype=np.int32)),
+            query_start_loc=self._to_device(np.array([0, num_tokens], dtype=np.int32)),
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
         )
         hidden = self.model(ids, positions, self.kv_caches, meta)
         self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs :])
@@ -185,6 +195,8 @@ class ModelRunner:
             )
 
     def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        if self.backend.needs_block_tables:
+            return self._block_table_metadata(inputs)
         nd = inputs.num_decodes
         decode_blocks = decode_mask = decode_lens = None
         if nd:
@@ -212,6 +224,29 @@ class ModelRunner:
             decode_mask=decode_mask,
             decode_context_lens=decode_lens,
             prefills=prefills,
+        )
+
+    def _block_table_metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        """For kernels that walk block tables themselves (Triton, flash-attn): each request's
+        blocks, context length and query rows, and none of the torch path's gathers."""
+        max_seq_len = int(inputs.context_lens.max())
+        num_blocks = -(-max_seq_len // self.block_size)
+        tables = self.batch.block_table[inputs.rows, :num_blocks].astype(np.int32)  # [B, nb]
+        query_start_loc = np.zeros(len(inputs.rows) + 1, dtype=np.int32)  # [B + 1]
+        np.cumsum(inputs.query_lens, out=query_start_loc[1:])
+        return AttentionMetadata(
+            num_tokens=len(inputs.input_ids),
+            slot_mapping=self._to_device(inputs.slot_mapping),
+            num_decodes=inputs.num_decodes,
+            decode_block_table=None,
+            decode_mask=None,
+            decode_context_lens=None,
+            prefills=[],
+            block_tables=self._to_device(tables),
+            seq_lens=self._to_device(inputs.context_lens.astype(np.int32)),
+            query_start_loc=self._to_device(query_start_loc),
+            max_query_len=int(inputs.query_lens.max()),
+            max_seq_len=max_seq_len,
         )
 
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:

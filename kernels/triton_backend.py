@@ -1,0 +1,106 @@
+"""The Triton backend: every layer op and paged attention as Triton kernels.
+
+Chosen by ``select_attention_backend`` (``--attention-backend triton``, or ``auto`` on CUDA
+without flash-attn). Linear layers stay on torch (cuBLAS already streams weights at bandwidth);
+everything between them is one Triton kernel each. Attention takes the block-table metadata
+(``AttentionMetadata.block_tables`` and friends), so the model runner builds no per-request
+gathers for it. Importing this module imports Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from corefleet.kernels.metadata import AttentionMetadata
+from corefleet.kernels.triton_activation import silu_and_mul
+from corefleet.kernels.triton_attention import unified_attention
+from corefleet.kernels.triton_kv_cache import write_kv_cache
+from corefleet.kernels.triton_rms_norm import rms_norm
+from corefleet.kernels.triton_rotary import apply_rotary
+
+
+class TritonBackend:
+    """Triton kernels for norm, rotary, SiLU-and-mul, the KV-cache write and paged attention."""
+
+    @property
+    def name(self) -> str:
+        return "triton"
+
+    @property
+    def needs_block_tables(self) -> bool:
+        return True
+
+    def linear(
+        self,
+        x: torch.Tensor,  # [T, K]
+        weight: torch.Tensor,  # [N, K]
+        bias: torch.Tensor | None,  # [N]
+    ) -> torch.Tensor:  # [T, N]
+        return torch.nn.functional.linear(x, weight, bias)
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,  # [T, H]
+        weight: torch.Tensor,  # [H]
+        eps: float,
+        residual: torch.Tensor | None,  # [T, H]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # normed, new residual: [T, H]
+        return rms_norm(x, weight, eps, residual)
+
+    def apply_rotary(
+        self,
+        query: torch.Tensor,  # [T, Hq, D]
+        key: torch.Tensor,  # [T, Hkv, D]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotates query and key **in place** (fresh projections) and returns them."""
+        return apply_rotary(query, key, cos, sin)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+        return silu_and_mul(x)
+
+    def write_kv_cache(
+        self,
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        slot_mapping: torch.Tensor,  # [T] int64
+    ) -> None:
+        write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,  # [T, Hq, D]
+        key: torch.Tensor,  # [T, Hkv, D] unused: the new tokens are read from the cache
+        value: torch.Tensor,  # [T, Hkv, D] unused
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Every new token over its request's cache, prefill and decode in one launch."""
+        block_tables, seq_lens, query_start_loc = require_block_tables(meta)
+        return unified_attention(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            meta.max_query_len,
+            scale,
+        )
+
+
+def require_block_tables(
+    meta: AttentionMetadata,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(block_tables, seq_lens, query_start_loc)``, or ValueError if the runner left them out."""
+    if meta.block_tables is None or meta.seq_lens is None or meta.query_start_loc is None:
+        raise ValueError(
+            "this attention backend needs block_tables, seq_lens and query_start_loc in the "
+            "attention metadata (the model runner fills them when needs_block_tables is True)"
+        )
+    return meta.block_tables, meta.seq_lens, meta.query_start_loc
