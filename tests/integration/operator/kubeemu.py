@@ -1,21 +1,33 @@
-"""KubeEmu: a stateful Kubernetes API emulator for operator tests, built on kmock 0.8.
+"""KubeEmu: a stateful Kubernetes API emulator for operator and end-to-end tests, on kmock 0.8.
 
-kmock's `KubernetesScaffold` gives the HTTP server, discovery (`/api`, `/apis/...`), the request
-log and kmock's reaction DSL (`emu['post', kmock.resource('v1/pods')] << 500` still works for fault
-injection). The object store is our own, because stock `KubernetesEmulator` lacks what kopf needs
-(see shared/reference/kmock-operator-testing.md): server-filled uid/resourceVersion/
-creationTimestamp/generation, resourceVersion bumped on every write, 409 on stale writes, 422 on a
-failed JSON-patch test, status-subresource isolation, `/scale` mapped through the CRD's
-`specReplicasPath`, label/field selectors, watches that resume from a resourceVersion (with a replay
-window) and honour `timeoutSeconds`, 201 on create, and the `/api/v1/namespaces` URL that kmock's
-parser crashes on. On top of the reference note's KubeEmu it adds CRD schema defaulting, garbage
-collection through ownerReferences, graceful pod termination (pods linger with a
-deletionTimestamp for `pod_termination_seconds`), and O(1) dispatch while no reaction is
-declared (kmock re-filters its whole request log per request, which slows long tests down).
+kmock's `KubernetesScaffold` gives the HTTP server, discovery, the request log and its reaction
+DSL (`emu['post', kmock.resource('v1/pods')] << 500` still works for fault injection);
+`kubeemu_discovery` declares the resources. The store is our own, because stock
+`KubernetesEmulator` lacks what kopf and kubectl need (shared/reference/kmock-operator-testing.md):
+server-filled uid/resourceVersion/creationTimestamp/generation/kind/apiVersion, 409 on stale
+writes, 422 on a failed JSON-patch test, status-subresource isolation, `/scale` through the
+CRD's `specReplicasPath`, label/field selectors, watches that resume from a resourceVersion
+(410 Expired past the replay window) and honour `timeoutSeconds`, 201 on create, CRD schema
+defaulting, `pods/binding`, deletecollection, server-side printing for kubectl (`kubeemu_table`,
+`kubeemu_printers`), strategic merge patches (a subset, `kubeemu_model`), deletion with
+finalizers, graceful pod termination and garbage collection (`kubeemu_lifecycle`), and O(1)
+dispatch while no reaction is declared (kmock re-filters its request log per request).
 
-Not emulated: controllers (Deployments make no pods; the test plays kubelet and controllers by
-patching `/status`), schema validation and CEL (see tests/unit/operator/test_operator_crd.py),
-strategic-merge list semantics, server-side apply, RBAC.
+Pod deletion, three ways:
+- default: a pod without finalizers goes at once, like any object;
+- `pod_termination_seconds=S`: pods linger with a deletionTimestamp for S seconds, then go;
+- `kubelet_finalizes_pods=True`, as with a real kubelet: DELETE of a scheduled pod
+  (`spec.nodeName` set, not Succeeded/Failed) sets `deletionTimestamp` (now + grace) and
+  `deletionGracePeriodSeconds` (DeleteOptions' gracePeriodSeconds from the body or query, else
+  `spec.terminationGracePeriodSeconds`, else 30) and keeps the pod until a DELETE with
+  gracePeriodSeconds=0 (the kubelet's, once the containers stopped) removes it. Unscheduled or
+  finished pods go at once. Garbage collection deletes pods the same way.
+In every mode finalizers hold an object until they are removed.
+
+Not emulated: controllers (tests or the e2e kubelet play them), schema validation and CEL (see
+tests/unit/operator/test_operator_crd.py), server-side apply, protobuf bodies, dryRun,
+Foreground deletion, RBAC. Such requests, like every refused one, get a `v1 Status` answer with
+the real server's code and reason (`kubeemu_request`).
 """
 
 from __future__ import annotations
@@ -32,7 +44,8 @@ import aiohttp.web
 import attrs
 import jsonpatch
 import kmock
-from kmock._internal import parsing
+from kubeemu_discovery import DiscoveryScaffold, ResourceType
+from kubeemu_lifecycle import Key, Lifecycle
 from kubeemu_model import (
     apply_defaults,
     fields_match,
@@ -41,43 +54,25 @@ from kubeemu_model import (
     merge_patch,
     now_rfc3339,
     set_path,
+    strategic_merge,
 )
+from kubeemu_printers import printer_for
+from kubeemu_request import (
+    StatusError,
+    check_content_type,
+    check_name,
+    check_not_dry_run,
+    conflict,
+    delete_options,
+    json_body,
+    not_found,
+    resource_name,
+    response_format,
+)
+from kubeemu_table import to_table
+from kubeemu_watch import EventLog
 
-Key = tuple[str, str, str]  # (resource path "group/version/plural", namespace or "", name)
-VERBS = {"create", "delete", "get", "list", "patch", "update", "watch"}
-BUILTINS = [  # (group/version, plural, kind, namespaced, subresources)
-    ("v1", "namespaces", "Namespace", False, {"status"}),
-    ("v1", "pods", "Pod", True, {"status"}),
-    ("v1", "services", "Service", True, {"status"}),
-    ("v1", "configmaps", "ConfigMap", True, set()),
-    ("v1", "secrets", "Secret", True, set()),
-    ("v1", "events", "Event", True, set()),
-    ("v1", "persistentvolumeclaims", "PersistentVolumeClaim", True, {"status"}),
-    ("apps/v1", "deployments", "Deployment", True, {"status", "scale"}),
-    ("policy/v1", "poddisruptionbudgets", "PodDisruptionBudget", True, {"status"}),
-    ("networking.k8s.io/v1", "networkpolicies", "NetworkPolicy", True, set()),
-    (
-        "apiextensions.k8s.io/v1",
-        "customresourcedefinitions",
-        "CustomResourceDefinition",
-        False,
-        set(),
-    ),
-]
-
-
-def _parse_path(path: str) -> parsing.ParsedPath:
-    # kmock 0.8 fails to unpack /api/v1/namespaces[/NAME[/status]] (a cluster-scoped resource).
-    parts = path.strip("/").split("/")
-    if parts[:3] == ["api", "v1", "namespaces"] and (len(parts) <= 4 or parts[4] == "status"):
-        name = parts[3] if len(parts) > 3 else None
-        sub = parts[4] if len(parts) > 4 else None
-        return parsing.ParsedPath("", "v1", "namespaces", None, name, sub)
-    return _original_parse_path(path)
-
-
-_original_parse_path = parsing.parse_path
-parsing.parse_path = _parse_path
+__all__ = ["KubeEmu", "ResourceType"]
 
 
 def _gv(request: kmock.Request) -> str:
@@ -86,94 +81,31 @@ def _gv(request: kmock.Request) -> str:
     return f"{res.group}/{res.version}" if res.group else str(res.version)
 
 
-def _error(code: int, reason: str, message: str) -> aiohttp.web.Response:
-    return aiohttp.web.json_response(
-        {
-            "apiVersion": "v1",
-            "kind": "Status",
-            "status": "Failure",
-            "code": code,
-            "reason": reason,
-            "message": message,
-        },
-        status=code,
-    )
+def _json(body: Any, status: int = 200) -> aiohttp.web.Response:
+    return aiohttp.web.json_response(body, status=status)
 
 
 @attrs.define(kw_only=True)
-class ResourceType:
-    """What the emulator knows about one resource beyond discovery."""
-
-    kind: str
-    namespaced: bool
-    subresources: set[str]
-    schema: Mapping[str, Any] | None = None
-    replicas_path: str = ".spec.replicas"
-
-
-@attrs.define(kw_only=True)
-class KubeEmu(kmock.KubernetesScaffold):
-    """The emulator; serve it with `kmock.Server(emu)` (see `conftest.cluster`)."""
+class KubeEmu(Lifecycle, DiscoveryScaffold):
+    """The emulator; serve it with `kubeemu_server.serve` or `ServedInThread`."""
 
     pod_termination_seconds: float | None = None  # None: pods vanish at once when deleted
+    kubelet_finalizes_pods: bool = False  # True: scheduled pods wait for the kubelet's delete
     history_size: int = 5000  # watch events kept for resuming from a resourceVersion
 
     objects: dict[Key, dict[str, Any]] = attrs.field(factory=dict, init=False)
     deleted: list[dict[str, Any]] = attrs.field(factory=list, init=False)  # last states, in order
     delete_requests: list[Key] = attrs.field(factory=list, init=False)  # first DELETE of each
-    types: dict[str, ResourceType] = attrs.field(factory=dict, init=False)
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _last_rv: int = attrs.field(default=0, init=False)
-    _history: list[tuple[int, str, dict[str, Any]]] = attrs.field(factory=list, init=False)
-    _watchers: dict[str, set[asyncio.Queue[dict[str, Any]]]] = attrs.field(factory=dict, init=False)
-    _builtin_payloads: int = attrs.field(default=0, init=False)
+    _events: EventLog = attrs.field(init=False)
+    _uids: set[str] = attrs.field(factory=set, init=False)
+    _orphaning: set[str] = attrs.field(factory=set, init=False)  # uids deleted with Orphan
     _tasks: set[asyncio.Task[None]] = attrs.field(factory=set, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        for gv, plural, kind, namespaced, subs in BUILTINS:
-            self.declare(gv, plural, kind, namespaced, subs)
-        self._builtin_payloads = len(self._payloads)
-
-    # --- declarations
-    def declare(
-        self,
-        gv: str,
-        plural: str,
-        kind: str,
-        namespaced: bool = True,
-        subresources: set[str] | None = None,
-        **extra: Any,
-    ) -> None:
-        """Make a resource discoverable and storable."""
-        subs = set(subresources or ())
-        self.resources[f"{gv}/{plural}"] = kmock.ResourceInfo(
-            kind=kind,
-            singular=kind.lower(),
-            namespaced=namespaced,
-            verbs=VERBS,
-            subresources=subs,
-            shortnames=set(extra.pop("shortnames", ())),
-        )
-        self.types[f"{gv}/{plural}"] = ResourceType(
-            kind=kind, namespaced=namespaced, subresources=subs, **extra
-        )
-
-    def register_crd(self, crd: Mapping[str, Any]) -> None:
-        """Serve the resources of a CustomResourceDefinition manifest, with its defaults."""
-        spec, names = crd["spec"], crd["spec"]["names"]
-        for version in spec["versions"]:
-            subs = version.get("subresources") or {}
-            self.declare(
-                f"{spec['group']}/{version['name']}",
-                names["plural"],
-                names["kind"],
-                spec.get("scope", "Namespaced") == "Namespaced",
-                set(subs),
-                shortnames=names.get("shortNames", ()),
-                schema=(version.get("schema") or {}).get("openAPIV3Schema"),
-                replicas_path=(subs.get("scale") or {}).get("specReplicasPath", ".spec.replicas"),
-            )
+        self._events = EventLog(self.history_size)
 
     # --- direct access for assertions
     def obj(self, path: str, namespace: str, name: str) -> dict[str, Any] | None:
@@ -196,28 +128,47 @@ class KubeEmu(kmock.KubernetesScaffold):
         if len(self._payloads) > self._builtin_payloads:  # reactions declared: honour them first
             with contextlib.suppress(kmock.KubernetesEndpointNotFoundError):
                 return await super()._handle(request)
-        return await self._serve(request, f"{_gv(request)}/{res.plural}")
+        try:
+            return await self._serve(request, f"{_gv(request)}/{res.plural}")
+        except StatusError as exc:
+            return exc.response()
 
     async def _serve(self, request: kmock.Request, path: str) -> aiohttp.web.StreamResponse:
         method, ns, name = request.method.value.upper(), request.namespace or "", request.name
-        if method == "GET" and request.params.get("watch") in ("true", "1"):
-            return await self._watch(request, path)
+        sub, rtype = request.subresource, self.types[path]
+        if sub is not None and (name is None or sub not in rtype.subresources):
+            raise StatusError(
+                404, "NotFound", f"the server could not find the requested resource ({sub})"
+            )
+        fmt = "json"
+        if method != "GET":
+            check_not_dry_run(request.params)
+        if method == "GET":
+            fmt = "json" if sub else response_format(request.headers)
+            if request.params.get("watch") in ("true", "1"):
+                return await self._watch(request, path, fmt)
+            if name is None:
+                return _json(self._list(request, path, fmt))
+        elif name is None and method == "POST":
+            return self._create(request, path, ns)
+        elif name is None and method == "DELETE":
+            return _json(self._delete_collection(request, path))
         if name is None:
-            if method == "GET":
-                return aiohttp.web.json_response(self._list(request, path))
-            if method == "POST":
-                return self._create(request, path, ns)
-            return _error(405, "MethodNotAllowed", f"{method} on a collection")
+            raise StatusError(405, "MethodNotAllowed", f"{method} on a collection")
         key: Key = (path, ns, name)
         if key not in self.objects:
-            return _error(404, "NotFound", f"{path} {name!r} not found")
+            raise not_found(path, name)
         if method == "GET":
-            return aiohttp.web.json_response(self._view(key, request.subresource))
+            if fmt == "table":
+                return _json(self._table(request, path, [self.objects[key]]))
+            return _json(self._view(key, sub))
+        if method == "POST" and sub == "binding":
+            return self._bind(request, key)
         if method in ("PATCH", "PUT"):
             return self._update(request, key, method)
-        if method == "DELETE":
-            return aiohttp.web.json_response(self._delete(key))
-        return _error(405, "MethodNotAllowed", method)
+        if method == "DELETE" and sub is None:
+            return _json(self._delete(key, delete_options(request.body, request.params)))
+        raise StatusError(405, "MethodNotAllowed", f"{method} on {resource_name(path)}/{sub}")
 
     # --- reads
     def _view(self, key: Key, subresource: str | None) -> dict[str, Any]:
@@ -236,12 +187,26 @@ class KubeEmu(kmock.KubernetesScaffold):
             },
         }
 
-    def _list(self, request: kmock.Request, path: str) -> dict[str, Any]:
-        items = [
-            o
-            for (p, ns, _), o in self.objects.items()
-            if p == path and self._matches(request, ns, o)
-        ]
+    def _table(self, request: kmock.Request, path: str, objs: list[Any]) -> dict[str, Any]:
+        """A Table of objects; one object's Table carries that object's resourceVersion."""
+        printer = printer_for(path, self.types[path].printer_columns)
+        rv = objs[0]["metadata"]["resourceVersion"] if len(objs) == 1 else str(self._last_rv)
+        return to_table(printer, objs, request.params, rv)
+
+    def _selected(self, request: kmock.Request, path: str) -> list[tuple[Key, dict[str, Any]]]:
+        try:
+            return [
+                (k, o)
+                for k, o in sorted(self.objects.items())
+                if k[0] == path and self._matches(request, k[1], o)
+            ]
+        except ValueError as exc:
+            raise StatusError(400, "BadRequest", f"fieldSelector: {exc}") from exc
+
+    def _list(self, request: kmock.Request, path: str, fmt: str) -> dict[str, Any]:
+        items = [o for _, o in self._selected(request, path)]
+        if fmt == "table":
+            return self._table(request, path, items)
         return {
             "apiVersion": _gv(request),
             "kind": f"{self.types[path].kind}List",
@@ -250,67 +215,100 @@ class KubeEmu(kmock.KubernetesScaffold):
         }
 
     def _matches(self, request: kmock.Request, ns: str, obj: Mapping[str, Any]) -> bool:
-        labels = (obj.get("metadata") or {}).get("labels") or {}
+        meta = obj.get("metadata") or {}
         return (
             (not request.namespace or ns == request.namespace)
-            and labels_match(labels, request.params.get("labelSelector"))
+            and (request.name is None or meta.get("name") == request.name)
+            and labels_match(meta.get("labels") or {}, request.params.get("labelSelector"))
             and fields_match(obj, request.params.get("fieldSelector"))
         )
 
-    async def _watch(self, request: kmock.Request, path: str) -> aiohttp.web.StreamResponse:
+    async def _watch(
+        self, request: kmock.Request, path: str, fmt: str
+    ) -> aiohttp.web.StreamResponse:
         assert request._raw_request is not None
         since = request.params.get("resourceVersion") or "0"
+        if not since.isdigit():
+            raise StatusError(400, "BadRequest", f"resourceVersion: invalid value {since!r}")
+        self._selected(request, path)  # validates the selectors
         timeout = float(request.params.get("timeoutSeconds") or 3600)
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        if since in ("", "0"):
-            for (p, _ns, _), obj in list(self.objects.items()):
-                if p == path:
-                    queue.put_nowait({"type": "ADDED", "object": obj})
+        replay: list[dict[str, Any]] = []
+        expired: StatusError | None = None
+        if since == "0" or request.params.get("sendInitialEvents") == "true":
+            replay = [{"type": "ADDED", "object": o} for _, o in self._selected(request, path)]
+            if request.params.get("sendInitialEvents") == "true":
+                meta = {
+                    "resourceVersion": str(self._last_rv),
+                    "annotations": {"k8s.io/initial-events-end": "true"},
+                }
+                kind = {"apiVersion": _gv(request), "kind": self.types[path].kind}
+                replay.append({"type": "BOOKMARK", "object": {**kind, "metadata": meta}})
         else:
-            for rv, p, event in self._history:
-                if p == path and rv > int(since):
-                    queue.put_nowait(event)
-        self._watchers.setdefault(path, set()).add(queue)
+            try:
+                replay = self._events.since(path, int(since))
+            except StatusError as exc:
+                expired = exc
+        queue = self._events.subscribe(path)
+        for event in replay:
+            queue.put_nowait(event)
         response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
         await response.prepare(request._raw_request)
         try:
+            if expired is not None:
+                await response.write(
+                    json.dumps({"type": "ERROR", "object": expired.status()}).encode() + b"\n"
+                )
+                return response
             async with asyncio.timeout(timeout):
                 while True:
                     event = await queue.get()
                     obj = event["object"]
-                    if self._matches(request, obj["metadata"].get("namespace", ""), obj):
-                        await response.write(json.dumps(event).encode() + b"\n")
+                    ns = (obj.get("metadata") or {}).get("namespace", "")
+                    if event["type"] != "BOOKMARK" and not self._matches(request, ns, obj):
+                        continue
+                    if fmt == "table" and event["type"] != "BOOKMARK":
+                        event = {**event, "object": self._table(request, path, [obj])}
+                    await response.write(json.dumps(event).encode() + b"\n")
         except (TimeoutError, ConnectionError):
             pass
         finally:
-            self._watchers[path].discard(queue)
+            self._events.unsubscribe(path, queue)
         with contextlib.suppress(ConnectionError):
             await response.write_eof()
         return response
 
     # --- writes
-    def _emit(self, path: str, kind: str, obj: dict[str, Any]) -> None:
-        event = {"type": kind, "object": json.loads(json.dumps(obj))}
-        self._history.append((int(obj["metadata"]["resourceVersion"]), path, event))
-        del self._history[: -self.history_size]
-        for queue in self._watchers.get(path, ()):
-            queue.put_nowait(event)
-
-    def _next_rv(self) -> str:
-        self._last_rv = next(self._rv)
-        return str(self._last_rv)
-
     def _create(self, request: kmock.Request, path: str, ns: str) -> aiohttp.web.Response:
-        body = json.loads(request.body or b"{}")
+        check_content_type(request.headers)
+        body, rtype, gv = json_body(request.body, None), self.types[path], path.rsplit("/", 1)[0]
+        if not isinstance(body, dict) or not isinstance(body.get("metadata", {}), dict):
+            raise StatusError(400, "BadRequest", "the body must be a JSON object with metadata")
+        if body.get("kind") not in (None, rtype.kind) or body.get("apiVersion") not in (None, gv):
+            raise StatusError(
+                400,
+                "BadRequest",
+                f"the body is a {body.get('apiVersion')} {body.get('kind')}, but the URL "
+                f"is for {gv} {rtype.kind}",
+            )
         meta = body.setdefault("metadata", {})
         if not meta.get("name") and meta.get("generateName"):
             meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
         if not meta.get("name"):
-            return _error(422, "Invalid", "metadata.name: Required value")
+            raise StatusError(422, "Invalid", "metadata.name: Required value: name is required")
+        check_name(meta["name"])
+        if rtype.namespaced and not ns:
+            raise StatusError(405, "MethodNotAllowed", f"{rtype.kind} needs a namespace in the URL")
+        if rtype.namespaced and meta.get("namespace") not in (None, "", ns):
+            raise StatusError(
+                400,
+                "BadRequest",
+                "the namespace of the provided object does not match the namespace sent on the "
+                "request",
+            )
         key: Key = (path, ns, meta["name"])
         if key in self.objects:
-            return _error(409, "AlreadyExists", f"{path} {meta['name']!r} already exists")
-        rtype = self.types[path]
+            message = f'{resource_name(path)} "{meta["name"]}" already exists'
+            raise StatusError(409, "AlreadyExists", message, {"name": meta["name"]})
         if rtype.namespaced:
             meta["namespace"] = ns
         meta.update(
@@ -319,42 +317,51 @@ class KubeEmu(kmock.KubernetesScaffold):
             generation=1,
             resourceVersion=self._next_rv(),
         )
+        body.update(apiVersion=gv, kind=rtype.kind)
         if "status" in rtype.subresources and path != "v1/namespaces":
             body.pop("status", None)
         if rtype.schema is not None:
             apply_defaults(rtype.schema, body)
         self.objects[key] = body
+        self._uids.add(meta["uid"])
         self._emit(path, "ADDED", body)
         if path == "apiextensions.k8s.io/v1/customresourcedefinitions":
             self.register_crd(body)
-        return aiohttp.web.json_response(body, status=201)
+        owners = meta.get("ownerReferences") or []
+        if owners and not any(o.get("uid") in self._uids for o in owners):
+            self._delete(key)  # garbage: every owner is already gone
+        return _json(body, 201)
+
+    def _patched(self, request: kmock.Request, current: dict[str, Any], method: str) -> Any:
+        """(the new object, the resourceVersion the writer expects or None)."""
+        ctype = check_content_type(request.headers)
+        patch = json_body(request.body, None)
+        is_json_patch = "json-patch" in ctype or (method == "PATCH" and isinstance(patch, list))
+        if not isinstance(patch, list if is_json_patch else dict):
+            raise StatusError(400, "BadRequest", f"a {ctype or 'JSON'} body of the wrong shape")
+        if is_json_patch:
+            try:
+                return jsonpatch.apply_patch(current, patch), None
+            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
+                raise StatusError(
+                    422, "Invalid", f"the server rejected our request: {exc}"
+                ) from exc
+        want_rv = (patch.get("metadata") or {}).get("resourceVersion")
+        if method == "PUT":
+            return (patch if request.subresource is None else merge_patch(current, patch)), want_rv
+        merge = strategic_merge if "strategic" in ctype else merge_patch
+        return merge(current, patch), want_rv
 
     def _update(self, request: kmock.Request, key: Key, method: str) -> aiohttp.web.Response:
         current, rtype, sub = self.objects[key], self.types[key[0]], request.subresource
-        patch = json.loads(request.body or b"null")
-        ctype = {k.lower(): v for k, v in request.headers.items()}.get("content-type", "")
-        try:
-            if method == "PUT":
-                want_rv = (patch.get("metadata") or {}).get("resourceVersion")
-                new = patch if sub is None else merge_patch(current, patch)
-            elif isinstance(patch, list) or "json-patch" in ctype:
-                want_rv, new = None, jsonpatch.apply_patch(current, patch)
-            elif "apply-patch" in ctype:
-                return _error(415, "UnsupportedMediaType", "server-side apply is not emulated")
-            else:
-                want_rv = (patch.get("metadata") or {}).get("resourceVersion")
-                new = merge_patch(current, patch)
-        except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
-            return _error(422, "Invalid", f"the server rejected our request: {exc}")
+        new, want_rv = self._patched(request, current, method)
         if want_rv and want_rv != current["metadata"]["resourceVersion"]:
-            return _error(
-                409,
-                "Conflict",
-                "the object has been modified; please apply your "
-                "changes to the latest version and try again",
-            )
+            why = "the object has been modified; please apply your changes to the latest version and try again"  # noqa: E501
+            raise conflict(key[0], key[2], why)
         if sub == "scale":
-            replicas = get_path(patch, ".spec.replicas")
+            replicas = get_path(new, ".spec.replicas")
+            if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+                raise StatusError(422, "Invalid", f"spec.replicas: Invalid value: {replicas!r}")
             new = json.loads(json.dumps(current))
             set_path(new, rtype.replicas_path, replicas)
         elif sub == "status":
@@ -362,10 +369,14 @@ class KubeEmu(kmock.KubernetesScaffold):
         elif "status" in rtype.subresources and key[0] != "v1/namespaces":
             new = {**new, "status": current.get("status")}
             new = {k: v for k, v in new.items() if v is not None or k != "status"}
+        if not isinstance(new.get("metadata", {}), dict):
+            raise StatusError(400, "BadRequest", "metadata must be an object")
         meta = new.setdefault("metadata", {})
-        for field in ("uid", "creationTimestamp", "namespace", "name", "deletionTimestamp"):
+        kept = ("uid", "creationTimestamp", "namespace", "name", "deletionTimestamp")
+        for field in (*kept, "deletionGracePeriodSeconds"):
             if field in current["metadata"]:
                 meta[field] = current["metadata"][field]
+        new.update(apiVersion=current.get("apiVersion"), kind=current.get("kind"))
         generation = int(current["metadata"].get("generation") or 1)
         meta["generation"] = generation + (new.get("spec") != current.get("spec"))
         if rtype.schema is not None:
@@ -373,54 +384,37 @@ class KubeEmu(kmock.KubernetesScaffold):
         meta["resourceVersion"] = self._next_rv()
         self.objects[key] = new
         self._emit(key[0], "MODIFIED", new)
-        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+        if self._can_go(meta):
             self._remove(key)
-        return aiohttp.web.json_response(self._view(key, sub) if key in self.objects else new)
+        return _json(self._view(key, sub) if key in self.objects else new)
 
-    def _delete(self, key: Key) -> dict[str, Any]:
-        obj, meta = self.objects[key], self.objects[key]["metadata"]
-        if meta.get("deletionTimestamp"):
-            return obj
-        self.delete_requests.append(key)
-        linger = key[0] == "v1/pods" and self.pod_termination_seconds is not None
-        if meta.get("finalizers") or linger:
-            meta.update(deletionTimestamp=now_rfc3339(), resourceVersion=self._next_rv())
-            self._emit(key[0], "MODIFIED", obj)
-            if linger and not meta.get("finalizers"):
-                self._later(self.pod_termination_seconds or 0.0, key, meta["uid"])
-            return obj
-        self._remove(key)
-        return obj
+    def _bind(self, request: kmock.Request, key: Key) -> aiohttp.web.Response:
+        """POST pods/NAME/binding: what a scheduler does to put a pod on a node."""
+        body = json_body(request.body, {})
+        node = ((body.get("target") if isinstance(body, dict) else None) or {}).get("name")
+        if not node:
+            raise StatusError(400, "BadRequest", "a Binding needs target.name (the node)")
+        pod = json.loads(json.dumps(self.objects[key]))
+        if get_path(pod, ".spec.nodeName"):
+            why = f"pod {key[2]} is already assigned to node {pod['spec']['nodeName']!r}"
+            raise conflict(key[0], key[2], why)
+        pod.setdefault("spec", {})["nodeName"] = node
+        conditions = [
+            c
+            for c in (pod.setdefault("status", {}).get("conditions") or [])
+            if c.get("type") != "PodScheduled"
+        ]
+        scheduled = {"type": "PodScheduled", "status": "True", "lastTransitionTime": now_rfc3339()}
+        pod["status"]["conditions"] = [*conditions, scheduled]
+        pod["metadata"]["resourceVersion"] = self._next_rv()
+        self.objects[key] = pod
+        self._emit(key[0], "MODIFIED", pod)
+        return _json({"apiVersion": "v1", "kind": "Status", "status": "Success", "code": 201}, 201)
 
-    def _later(self, delay: float, key: Key, uid: str) -> None:
-        async def finish() -> None:
-            await asyncio.sleep(delay)
-            if key in self.objects and self.objects[key]["metadata"]["uid"] == uid:
-                self._remove(key)
-
-        task = asyncio.get_running_loop().create_task(finish())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _remove(self, key: Key) -> None:
-        obj = self.objects.pop(key)
-        obj["metadata"]["resourceVersion"] = self._next_rv()
-        self.deleted.append(obj)
-        self._emit(key[0], "DELETED", obj)
-        uid = obj["metadata"]["uid"]  # garbage collection of dependents (background policy)
-        for dep_key, dep in list(self.objects.items()):
-            owners = dep["metadata"].get("ownerReferences") or []
-            if dep_key in self.objects and any(o.get("uid") == uid for o in owners):
-                self._delete(dep_key)
-
-    async def _serve_version(self, request: kmock.Request) -> Any:
-        doc = await super()._serve_version(request)
-        if request.resource is not None and request.resource.group == "":
-            doc["groupVersion"] = "v1"  # kmock writes "/v1", which clients reject
-        for entry in doc.get("resources", []):
-            if "/" in entry["name"]:
-                entry.update(shortNames=[], categories=[], verbs=["get", "patch", "update"])
-        return doc
+    def _delete_collection(self, request: kmock.Request, path: str) -> dict[str, Any]:
+        options = delete_options(request.body, request.params)
+        gone = [self._delete(k, options) for k, _ in self._selected(request, path)]
+        return {"apiVersion": _gv(request), "kind": f"{self.types[path].kind}List", "items": gone}
 
     async def __aexit__(self, *exc: Any) -> None:
         for task in list(self._tasks):

@@ -2,8 +2,13 @@
 
 Used by `kubeemu.py`. They follow the API server's documented behaviour closely enough for an
 operator test: label selectors with `=`, `==`, `!=`, `in`, `notin`, `key`, `!key`; field selectors
-on `metadata.name` and `metadata.namespace`; JSON merge patch (RFC 7386); and structural-schema
-defaulting (a `default` applies where the field is absent, recursively, after the parent exists).
+with `=`, `==`, `!=` on any field path (`metadata.name`, `spec.nodeName`, `status.phase`; a
+missing field reads as "", so `spec.nodeName=` selects unscheduled pods; the real server allows
+only a few fields per resource); JSON merge patch (RFC 7386); a strategic merge patch good
+enough for what `kubectl apply` sends for built-in kinds (lists of known kinds merged by their
+merge key, `$patch`, `$retainKeys`, `$setElementOrder`, `$deleteFromPrimitiveList`); and
+structural-schema defaulting (a `default` applies where the field is absent, recursively, after
+the parent exists).
 """
 
 from __future__ import annotations
@@ -57,16 +62,24 @@ def labels_match(labels: Mapping[str, str], selector: str | None) -> bool:
     return not selector or all(_term_matches(labels, t) for t in _terms(selector))
 
 
+def _field_text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
 def fields_match(obj: Mapping[str, Any], selector: str | None) -> bool:
-    """Whether an object satisfies a field selector on metadata.name / metadata.namespace."""
+    """Whether an object satisfies a field selector; ValueError for a malformed one."""
     if not selector:
         return True
-    meta = obj.get("metadata") or {}
-    known = {"metadata.name": meta.get("name"), "metadata.namespace": meta.get("namespace")}
     for term in _terms(selector):
-        negated = "!=" in term
-        key, value = (s.strip() for s in re.split(r"!=|==|=", term, maxsplit=1))
-        if (known.get(key) == value) == negated:
+        parts = re.split(r"(!=|==|=)", term, maxsplit=1)
+        if len(parts) != 3 or not parts[0].strip():
+            raise ValueError(f"invalid field selector term {term!r}")
+        key, op, value = (p.strip() for p in parts)
+        if (_field_text(get_path(obj, key)) == value) == (op == "!="):
             return False
     return True
 
@@ -81,6 +94,80 @@ def merge_patch(target: Any, patch: Any) -> Any:
             result.pop(key, None)
         else:
             result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+MERGE_KEYS = {  # list fields of built-in kinds that a strategic merge patch merges by a key
+    "containers": "name",
+    "initContainers": "name",
+    "ephemeralContainers": "name",
+    "volumes": "name",
+    "env": "name",
+    "imagePullSecrets": "name",
+    "volumeMounts": "mountPath",
+    "volumeDevices": "devicePath",
+    "ports": "containerPort|port",
+    "conditions": "type",
+    "ownerReferences": "uid",
+    "topologySpreadConstraints": "topologyKey",
+    "hostAliases": "ip",
+}
+PRIMITIVE_MERGE_LISTS = {"finalizers"}
+
+
+def _merge_key(field: str, items: list[Any]) -> str | None:
+    for key in MERGE_KEYS.get(field, "").split("|"):
+        if key and all(isinstance(i, Mapping) and key in i for i in items):
+            return key
+    return None
+
+
+def _merge_list(field: str, target: Any, patch: list[Any]) -> list[Any]:
+    current = list(target) if isinstance(target, list) else []
+    if field in PRIMITIVE_MERGE_LISTS:
+        return current + [v for v in patch if v not in current]
+    key = _merge_key(field, current + patch)
+    if key is None:
+        return [strategic_merge(None, item) for item in patch]
+    for item in patch:
+        index = next((i for i, c in enumerate(current) if c.get(key) == item[key]), None)
+        if item.get("$patch") == "delete":
+            current = [c for c in current if c.get(key) != item[key]]
+        elif index is None:
+            current.append(strategic_merge(None, item))
+        else:
+            current[index] = strategic_merge(current[index], item)
+    return current
+
+
+def strategic_merge(target: Any, patch: Any) -> Any:
+    """A strategic merge patch as kubectl apply sends for built-in kinds (see module doc)."""
+    if not isinstance(patch, Mapping):
+        return copy.deepcopy(patch)
+    directive = patch.get("$patch")
+    if directive == "replace":
+        return {k: copy.deepcopy(v) for k, v in patch.items() if k != "$patch"}
+    if directive == "delete":
+        return None
+    result = dict(target) if isinstance(target, Mapping) else {}
+    for key, value in patch.items():
+        if key.startswith("$setElementOrder/") or key in ("$patch", "$retainKeys"):
+            continue
+        if key.startswith("$deleteFromPrimitiveList/"):
+            field = key.split("/", 1)[1]
+            result[field] = [v for v in result.get(field) or [] if v not in value]
+        elif value is None:
+            result.pop(key, None)
+        elif isinstance(value, list):
+            result[key] = _merge_list(key, result.get(key), value)
+        else:
+            merged = strategic_merge(result.get(key), value)
+            if merged is None:
+                result.pop(key, None)
+            else:
+                result[key] = merged
+    if isinstance(patch.get("$retainKeys"), list):
+        result = {k: v for k, v in result.items() if k in patch["$retainKeys"]}
     return result
 
 

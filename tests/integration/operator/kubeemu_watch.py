@@ -1,0 +1,54 @@
+"""Watch events of the Kubernetes emulator: a bounded replay history and the live subscribers.
+
+A watch that starts from a resourceVersion gets every later event of its resource from the
+history; one older than the history holds is told `410 Expired` (an ERROR event, as the real
+server does), and clients such as kopf and kubectl then list again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from kubeemu_request import StatusError
+
+Event = dict[str, Any]
+
+
+class EventLog:
+    """Every ADDED/MODIFIED/DELETED event, per resource path ("v1/pods"), for watches."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._history: list[tuple[int, str, Event]] = []
+        self._floor = 0  # events at or below this resourceVersion were dropped
+        self._watchers: dict[str, set[asyncio.Queue[Event]]] = {}
+
+    def emit(self, path: str, kind: str, obj: dict[str, Any]) -> None:
+        """Record an event (with a copy of the object) and hand it to current watchers."""
+        event = {"type": kind, "object": json.loads(json.dumps(obj))}
+        self._history.append((int(obj["metadata"]["resourceVersion"]), path, event))
+        if len(self._history) > self.size:
+            self._floor = self._history[-self.size - 1][0]
+            del self._history[: -self.size]
+        for queue in self._watchers.get(path, ()):
+            queue.put_nowait(event)
+
+    def since(self, path: str, resource_version: int) -> list[Event]:
+        """The events of a resource after a resourceVersion; 410 when they were dropped."""
+        if resource_version < self._floor:
+            raise StatusError(
+                410, "Expired", f"too old resource version: {resource_version} ({self._floor})"
+            )
+        return [event for rv, p, event in self._history if p == path and rv > resource_version]
+
+    def subscribe(self, path: str) -> asyncio.Queue[Event]:
+        """A queue that receives the resource's future events."""
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._watchers.setdefault(path, set()).add(queue)
+        return queue
+
+    def unsubscribe(self, path: str, queue: asyncio.Queue[Event]) -> None:
+        """Stop delivering to a queue."""
+        self._watchers.get(path, set()).discard(queue)
