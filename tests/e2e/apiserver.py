@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import time
@@ -66,6 +67,23 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what or check}")
         time.sleep(interval)
+
+
+def parse_table(output: str) -> list[dict[str, str]]:
+    """kubectl's table output as one dict per row, keyed by the header names ("NAME", "READY").
+
+    Columns are cut at the header's word positions, so empty cells read as "" and cells with
+    single spaces ("3 (5s ago)", "NOMINATED NODE") stay whole.
+    """
+    lines = [line for line in output.splitlines() if line.strip()]
+    if not lines:
+        return []
+    heads = list(re.finditer(r"\S+(?: \S+)*", lines[0]))
+    bounds = [h.start() for h in heads] + [None]
+    return [
+        {h.group(): line[bounds[i] : bounds[i + 1]].strip() for i, h in enumerate(heads)}
+        for line in lines[1:]
+    ]
 
 
 class ApiServer:
@@ -151,10 +169,10 @@ class ApiServer:
         """One API call: (HTTP status, decoded JSON answer or the text when not JSON).
 
         `path` is the URL path with any query ("/api/v1/namespaces/default/pods?watch=0"); `body`
-        is sent as JSON (a PATCH's `content_type` picks merge, JSON or strategic patch). With
-        `expect`, any other status raises AssertionError showing the answer.
+        is sent as JSON, bytes as they are (a PATCH's `content_type` picks merge, JSON or
+        strategic patch). With `expect`, any other status raises AssertionError.
         """
-        data = None if body is None else json.dumps(body).encode()
+        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
         hdrs = {"Content-Type": content_type, "Accept": JSON, **(headers or {})}
         req = urllib.request.Request(self.url + path, data=data, method=method, headers=hdrs)
         try:

@@ -70,7 +70,7 @@ from kubeemu_request import (
     response_format,
 )
 from kubeemu_table import to_table
-from kubeemu_watch import EventLog
+from kubeemu_watch import Event, EventLog, stream
 
 __all__ = ["KubeEmu", "ResourceType"]
 
@@ -143,6 +143,8 @@ class KubeEmu(Lifecycle, DiscoveryScaffold):
         fmt = "json"
         if method != "GET":
             check_not_dry_run(request.params)
+        if method in ("POST", "PUT", "PATCH"):
+            check_content_type(request.headers)  # before a 404: server-side apply creates
         if method == "GET":
             fmt = "json" if sub else response_format(request.headers)
             if request.params.get("watch") in ("true", "1"):
@@ -195,6 +197,7 @@ class KubeEmu(Lifecycle, DiscoveryScaffold):
 
     def _selected(self, request: kmock.Request, path: str) -> list[tuple[Key, dict[str, Any]]]:
         try:
+            fields_match({}, request.params.get("fieldSelector"))  # malformed: ValueError
             return [
                 (k, o)
                 for k, o in sorted(self.objects.items())
@@ -231,7 +234,6 @@ class KubeEmu(Lifecycle, DiscoveryScaffold):
         if not since.isdigit():
             raise StatusError(400, "BadRequest", f"resourceVersion: invalid value {since!r}")
         self._selected(request, path)  # validates the selectors
-        timeout = float(request.params.get("timeoutSeconds") or 3600)
         replay: list[dict[str, Any]] = []
         expired: StatusError | None = None
         if since == "0" or request.params.get("sendInitialEvents") == "true":
@@ -248,34 +250,22 @@ class KubeEmu(Lifecycle, DiscoveryScaffold):
                 replay = self._events.since(path, int(since))
             except StatusError as exc:
                 expired = exc
+        table = fmt == "table"
+
+        def shown(event: Event) -> Event | None:
+            obj = event["object"]
+            if event["type"] == "BOOKMARK":
+                return event
+            if not self._matches(request, (obj.get("metadata") or {}).get("namespace", ""), obj):
+                return None
+            return {**event, "object": self._table(request, path, [obj])} if table else event
+
+        timeout = float(request.params.get("timeoutSeconds") or 3600)
         queue = self._events.subscribe(path)
-        for event in replay:
-            queue.put_nowait(event)
-        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
-        await response.prepare(request._raw_request)
         try:
-            if expired is not None:
-                await response.write(
-                    json.dumps({"type": "ERROR", "object": expired.status()}).encode() + b"\n"
-                )
-                return response
-            async with asyncio.timeout(timeout):
-                while True:
-                    event = await queue.get()
-                    obj = event["object"]
-                    ns = (obj.get("metadata") or {}).get("namespace", "")
-                    if event["type"] != "BOOKMARK" and not self._matches(request, ns, obj):
-                        continue
-                    if fmt == "table" and event["type"] != "BOOKMARK":
-                        event = {**event, "object": self._table(request, path, [obj])}
-                    await response.write(json.dumps(event).encode() + b"\n")
-        except (TimeoutError, ConnectionError):
-            pass
+            return await stream(request._raw_request, replay, queue, shown, timeout, expired)
         finally:
             self._events.unsubscribe(path, queue)
-        with contextlib.suppress(ConnectionError):
-            await response.write_eof()
-        return response
 
     # --- writes
     def _create(self, request: kmock.Request, path: str, ns: str) -> aiohttp.web.Response:

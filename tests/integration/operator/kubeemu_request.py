@@ -94,6 +94,12 @@ def check_content_type(headers: Mapping[str, str]) -> str:
             f"the emulator reads JSON bodies only, not {ctype} (kubectl create <generator> "
             "sends protobuf: write a manifest and use kubectl create -f or apply -f)",
         )
+    if "apply-patch" in ctype:
+        raise StatusError(
+            415,
+            "UnsupportedMediaType",
+            "server-side apply is not emulated: use client-side kubectl apply",
+        )
     if "yaml" in ctype:
         raise StatusError(415, "UnsupportedMediaType", f"{ctype} bodies are not emulated")
     return ctype

@@ -8,9 +8,12 @@ server does), and clients such as kopf and kubectl then list again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import aiohttp.web
 from kubeemu_request import StatusError
 
 Event = dict[str, Any]
@@ -52,3 +55,37 @@ class EventLog:
     def unsubscribe(self, path: str, queue: asyncio.Queue[Event]) -> None:
         """Stop delivering to a queue."""
         self._watchers.get(path, set()).discard(queue)
+
+
+async def stream(
+    raw_request: aiohttp.web.BaseRequest,
+    replay: Sequence[Event],
+    queue: asyncio.Queue[Event],
+    shown: Callable[[Event], Event | None],
+    timeout: float,
+    expired: StatusError | None = None,
+) -> aiohttp.web.StreamResponse:
+    """Answer a watch: the replayed events, then the queue's, as JSON lines, for `timeout`
+    seconds or until the client leaves; `shown` filters/renders each event (None: skipped).
+    With `expired`, the only event is that ERROR, and the stream ends."""
+    response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+    await response.prepare(raw_request)
+    pending: asyncio.Queue[Event] = asyncio.Queue()
+    for event in replay:
+        pending.put_nowait(event)
+    try:
+        if expired is not None:
+            error = {"type": "ERROR", "object": expired.status()}
+            await response.write(json.dumps(error).encode() + b"\n")
+            return response
+        async with asyncio.timeout(timeout):
+            while True:
+                source = pending if not pending.empty() else queue
+                event = shown(await source.get())
+                if event is not None:
+                    await response.write(json.dumps(event).encode() + b"\n")
+    except (TimeoutError, ConnectionError):
+        pass
+    with contextlib.suppress(ConnectionError):
+        await response.write_eof()
+    return response
