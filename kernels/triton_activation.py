@@ -10,7 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
-from corefleet.kernels.triton_support import check_launchable, is_interpreted
+from corefleet.kernels.triton_support import (
+    check_launchable,
+    interpreter_tile,
+    is_interpreted,
+)
 
 _GPU_TOKENS = 1
 _GPU_COLS = 1024
@@ -32,7 +36,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     if num_tokens == 0:
         return out
     if is_interpreted(_silu_and_mul_kernel):
-        block_t, block_i = _INTERPRETER_TOKENS, triton.next_power_of_2(inter)
+        block_t = interpreter_tile(num_tokens, _INTERPRETER_TOKENS)
+        block_i = triton.next_power_of_2(inter)
     else:
         block_t, block_i = _GPU_TOKENS, min(_GPU_COLS, triton.next_power_of_2(inter))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(inter, block_i))

@@ -20,10 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from corefleet.kernels.triton_support import check_launchable, is_interpreted
+from corefleet.kernels.triton_support import (
+    check_launchable,
+    interpreter_tile,
+    is_interpreted,
+)
 
 # GPU tiles. A decode-only batch runs one token per program (BLOCK_Q = 1), so a program reads
-# its request's keys once for the head group; batches with prefill chunks pack ~64 query rows.
+# its request's keys once for the head group; batches with prefill chunks pack up to 64 rows.
 _GPU_TILE_N = 64  # keys per loop iteration: 64 x 128 x 2 bytes = 16 KiB of K per tile
 _GPU_ROWS = 64
 # Under the interpreter every program runs one after another and every tl.* call is a numpy
@@ -41,13 +45,15 @@ def unified_attention(
     seq_lens: torch.Tensor,  # [R] int32: tokens in the cache after this step (cached + new)
     query_start_loc: torch.Tensor,  # [R + 1] int32: request r owns query rows [qsl[r], qsl[r+1])
     max_query_len: int,
+    max_seq_len: int,
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of every query token over its request's cached and new tokens.
 
     Same contract as ``reference.paged_attention`` (which reads the precomputed slots instead
     of block tables). Requests are in any order and may have any number of new tokens (at least
-    one); each request's ``seq_len`` tokens must already be in the cache.
+    one); each request's ``seq_len`` tokens must already be in the cache. ``max_query_len`` and
+    ``max_seq_len`` are the longest of each (host integers: they size the grid and tiles).
 
     Raises:
         ValueError: mismatched shapes, dtypes or devices, or non-contiguous caches.
@@ -67,10 +73,13 @@ def unified_attention(
     group = num_q_heads // num_kv_heads
     interpreted = is_interpreted(_unified_attention_kernel)
     rows = _INTERPRETER_ROWS if interpreted else _GPU_ROWS
-    tile_n = _INTERPRETER_TILE_N if interpreted else _GPU_TILE_N
-    # Decode-only steps take one token per program: a wider tile would be empty rows.
-    block_q = 1 if max_query_len <= 1 else max(1, rows // group)
+    # No wider query tile than the longest request needs (a decode-only step: one token per
+    # program), since every padding row costs as much as a real one.
+    block_q = max(1, min(rows // group, max_query_len))
     block_m = max(_MIN_DOT_ROWS, triton.next_power_of_2(block_q * group))
+    tile_n = _GPU_TILE_N
+    if interpreted:  # one key tile for short contexts: the loop's cost is per iteration there
+        tile_n = max(_MIN_DOT_ROWS, interpreter_tile(max_seq_len, _INTERPRETER_TILE_N))
     grid = (num_reqs, triton.cdiv(max(max_query_len, 1), block_q), num_kv_heads)
     _unified_attention_kernel[grid](
         out,
@@ -216,7 +225,13 @@ def _unified_attention_kernel(
         k = tl.load(k_cache_ptr + slot[None, :] + offs_d[:, None], mask=kv_mask, other=0.0)
         # k: [D_PAD, TILE_N], already transposed for Q @ K^T
 
-        scores = _dot(q, k, DOT_PRECISION, DOT_IN_F32) * scale  # [BLOCK_M, TILE_N] f32
+        # (No jit helper for the two dots: the interpreter re-patches triton.language on every
+        # nested jit call, which costs more than the rest of the loop body.)
+        if DOT_IN_F32:
+            scores = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+        else:
+            scores = tl.dot(q, k, input_precision=DOT_PRECISION)
+        scores = scores * scale  # [BLOCK_M, TILE_N] float32
         visible = (k_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]  # causal mask
         scores = tl.where(visible, scores, float("-inf"))
 
@@ -231,7 +246,12 @@ def _unified_attention_kernel(
         )  # [TILE_N, D_PAD]
         # P in the cache's dtype for the second matmul, as FlashAttention does; for float32
         # caches this is exact.
-        acc = acc * rescale[:, None] + _dot(probs.to(v.dtype), v, DOT_PRECISION, DOT_IN_F32)
+        p = probs.to(v.dtype)
+        if DOT_IN_F32:
+            pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p, v, input_precision=DOT_PRECISION)
+        acc = acc * rescale[:, None] + pv  # [BLOCK_M, D_PAD]
         row_max = new_max
 
     acc = acc / row_sum[:, None]
@@ -241,17 +261,3 @@ def _unified_attention_kernel(
         acc.to(out_ptr.dtype.element_ty),
         mask=row_valid[:, None] & dim_valid[None, :],
     )
-
-
-@triton.jit
-def _dot(
-    a: tl.tensor,  # [M, K]
-    b: tl.tensor,  # [K, N]
-    DOT_PRECISION: tl.constexpr,
-    DOT_IN_F32: tl.constexpr,
-) -> tl.tensor:  # [M, N] float32
-    if DOT_IN_F32:
-        result = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        result = tl.dot(a, b, input_precision=DOT_PRECISION)
-    return result

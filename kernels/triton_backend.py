@@ -90,6 +90,7 @@ class TritonBackend:
             seq_lens,
             query_start_loc,
             meta.max_query_len,
+            meta.max_seq_len,
             scale,
         )
 

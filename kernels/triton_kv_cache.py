@@ -12,7 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from corefleet.kernels.triton_support import check_launchable, is_interpreted
+from corefleet.kernels.triton_support import (
+    check_launchable,
+    interpreter_tile,
+    is_interpreted,
+)
 
 _GPU_TOKENS = 8
 _GPU_ROW_TILE = 1024  # elements of one token's Hkv * D row per program
@@ -50,7 +54,8 @@ def write_kv_cache(
         return
     row = num_kv_heads * head_dim
     if is_interpreted(_write_kv_cache_kernel):
-        block_t, row_tile = _INTERPRETER_TOKENS, triton.next_power_of_2(row)
+        block_t = interpreter_tile(num_tokens, _INTERPRETER_TOKENS)
+        row_tile = triton.next_power_of_2(row)
     else:
         block_t, row_tile = _GPU_TOKENS, min(_GPU_ROW_TILE, triton.next_power_of_2(row))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(row, row_tile))

@@ -14,7 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from corefleet.kernels.triton_support import check_launchable, is_interpreted
+from corefleet.kernels.triton_support import (
+    check_launchable,
+    interpreter_tile,
+    is_interpreted,
+)
 
 _INTERPRETER_ROWS = 128  # rows per program under the interpreter; one row per program on GPUs
 
@@ -45,7 +49,9 @@ def rms_norm(
     new_residual = x if residual is None else torch.empty_like(x)  # [T, H]
     if num_rows == 0:
         return out, new_residual
-    block_rows = _INTERPRETER_ROWS if is_interpreted(_rms_norm_kernel) else 1
+    block_rows = 1
+    if is_interpreted(_rms_norm_kernel):
+        block_rows = interpreter_tile(num_rows, _INTERPRETER_ROWS)
     block_h = triton.next_power_of_2(hidden)
     res = x if residual is None else residual  # unused pointer when there is no residual
     _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](

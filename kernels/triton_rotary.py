@@ -12,7 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from corefleet.kernels.triton_support import check_launchable, is_interpreted
+from corefleet.kernels.triton_support import (
+    check_launchable,
+    interpreter_tile,
+    is_interpreted,
+)
 
 _INTERPRETER_TOKENS = 128  # tokens per program under the interpreter; one on GPUs
 
@@ -45,7 +49,9 @@ def apply_rotary(
         raise ValueError("query, key, cos and sin need a contiguous last dimension")
     if num_tokens == 0:
         return query, key
-    block_t = _INTERPRETER_TOKENS if is_interpreted(_rotary_kernel) else 1
+    block_t = 1
+    if is_interpreted(_rotary_kernel):
+        block_t = interpreter_tile(num_tokens, _INTERPRETER_TOKENS)
     _rotary_kernel[(triton.cdiv(num_tokens, block_t),)](
         query,
         key,
@@ -155,12 +161,10 @@ def _rotate_heads(
     # out = x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1). Each product is
     # rounded to the input dtype before the sum, as the reference's (and Hugging Face's) three
     # tensor ops do: in bfloat16 the sum can cancel, and matching roundings keep it matching.
-    out1 = _round(x1f * cos, x1.dtype) - _round(x2f * sin, x1.dtype)
-    out2 = _round(x2f * cos, x1.dtype) + _round(x1f * sin, x1.dtype)
-    tl.store(first, out1.to(x1.dtype), mask=mask)
-    tl.store(first + HALF, out2.to(x1.dtype), mask=mask)
-
-
-@triton.jit
-def _round(x: tl.tensor, DTYPE: tl.constexpr) -> tl.tensor:  # float32 -> DTYPE -> float32
-    return x.to(DTYPE).to(tl.float32)
+    dtype = x1.dtype
+    x1_cos = (x1f * cos).to(dtype).to(tl.float32)
+    x2_sin = (x2f * sin).to(dtype).to(tl.float32)
+    x2_cos = (x2f * cos).to(dtype).to(tl.float32)
+    x1_sin = (x1f * sin).to(dtype).to(tl.float32)
+    tl.store(first, (x1_cos - x2_sin).to(dtype), mask=mask)
+    tl.store(first + HALF, (x2_cos + x1_sin).to(dtype), mask=mask)

@@ -50,3 +50,10 @@ def check_launchable(kernel: object, *tensors: torch.Tensor) -> None:
         f"Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before corefleet's Triton "
         f"kernels are imported for CPU tensors; got {device}"
     )
+
+
+def interpreter_tile(num_rows: int, cap: int) -> int:
+    """Rows per program under the interpreter: all of a small batch in one program, at most
+    ``cap`` (a power of two). The interpreter pays for every element of a tile, masked or not,
+    so a decode step's handful of rows must not be padded to a prefill-sized tile."""
+    return min(cap, 1 << max(num_rows - 1, 0).bit_length())

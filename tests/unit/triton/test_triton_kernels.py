@@ -57,6 +57,7 @@ def _attention(
         m.seq_lens,
         m.query_start_loc,
         m.max_query_len,
+        m.max_seq_len,
         scale,
     )
     assert not torch.isnan(actual).any(), "the kernel read a slot outside its requests"
@@ -185,6 +186,7 @@ def test_wrappers_reject_bad_inputs() -> None:
             m.seq_lens,
             m.query_start_loc,
             1,
+            4,
             1.0,
         )
     with pytest.raises(ValueError, match="dtypes differ"):
@@ -196,6 +198,7 @@ def test_wrappers_reject_bad_inputs() -> None:
             m.seq_lens,
             m.query_start_loc,
             1,
+            4,
             1.0,
         )
     num_blocks, block_size, num_kv_heads, head_dim = batch.k_cache.shape
