@@ -108,7 +108,9 @@ class ApiServer:
         start_timeout: float = 10.0,
         **emu_options: Any,
     ) -> None:
-        """`emu_options` go to `KubeEmu` (default: `kubelet_finalizes_pods=True`)."""
+        """`emu_options` go to `KubeEmu`: `kubelet_finalizes_pods` (default True here),
+        `pod_logs` (what `kubectl logs` shows; the kubelet can also set `emu.pod_logs` later),
+        `history_size`, `pod_termination_seconds`."""
         emu_options.setdefault("kubelet_finalizes_pods", True)
         self.folder = folder
         self.kubeconfig = folder / "kubeconfig"

@@ -240,3 +240,52 @@ def test_garbage_collection_deletes_owned_pods_gracefully(api_server: ApiServer)
     # an object whose owners are all gone already is garbage from the start
     api_server.request("POST", PODS, _owned("late", owners["owner"], node=None), expect=201)
     assert _stored(api_server, "late") is None
+
+
+def test_scheduling_field_selectors_logs_and_events(api_server: ApiServer) -> None:
+    for body in (pod("placed"), pod("unplaced", node=None)):
+        api_server.request("POST", PODS, body, expect=201)
+
+    def names(*args: str) -> list[str]:
+        return [r["NAME"] for r in parse_table(api_server.kubectl("get", "pods", *args).stdout)]
+
+    assert names("--field-selector=spec.nodeName=node-1") == ["placed"]
+    assert names("--field-selector=spec.nodeName=") == ["unplaced"]  # what a scheduler watches
+    binding = {"apiVersion": "v1", "kind": "Binding", "target": {"kind": "Node", "name": "n2"}}
+    api_server.request("POST", f"{PODS}/unplaced/binding", binding, expect=201)
+    placed = api_server.emu.obj("v1/pods", "default", "unplaced")
+    assert placed is not None and placed["spec"]["nodeName"] == "n2"
+    assert placed["status"]["conditions"][-1] | {"lastTransitionTime": ""} == {
+        "type": "PodScheduled",
+        "status": "True",
+        "lastTransitionTime": "",
+    }
+    _, answer = api_server.request("POST", f"{PODS}/unplaced/binding", binding, expect=409)
+    assert "already assigned" in answer["message"]
+
+    missing = api_server.kubectl("logs", "placed", check=False)
+    assert missing.returncode == 1 and "no logs" in missing.stderr
+    logs = {("default", "placed", "c"): "starting\nserving\n"}
+    api_server.emu.pod_logs = lambda ns, name, container: logs.get((ns, name, container or "c"))
+    assert api_server.kubectl("logs", "placed").stdout == "starting\nserving\n"
+    assert api_server.kubectl("logs", "placed", "-c", "c", "--tail=1").stdout == "serving\n"
+
+    event = {
+        "metadata": {"generateName": "smollm2-"},
+        "involvedObject": {"kind": "InferenceEngine", "name": "smollm2", "namespace": "default"},
+        "type": "Warning",
+        "reason": "RankFailed",
+        "message": "rank 1 failed: OOMKilled ",
+        "lastTimestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 65)),
+        "count": 2,
+    }
+    api_server.request("POST", "/api/v1/namespaces/default/events", event, expect=201)
+    [row] = parse_table(api_server.kubectl("get", "events").stdout)
+    assert row | {"LAST SEEN": ""} == {
+        "LAST SEEN": "",
+        "TYPE": "Warning",
+        "REASON": "RankFailed",
+        "OBJECT": "inferenceengine/smollm2",
+        "MESSAGE": "rank 1 failed: OOMKilled",
+    }
+    assert row["LAST SEEN"] in ("65s", "66s", "67s")

@@ -1,16 +1,16 @@
 """KubeEmu: a stateful Kubernetes API emulator for operator and end-to-end tests, on kmock 0.8.
 
-kmock's `KubernetesScaffold` gives the HTTP server, discovery, the request log and its reaction
-DSL (`emu['post', kmock.resource('v1/pods')] << 500` still works for fault injection);
-`kubeemu_discovery` declares the resources. The store is our own, because stock
-`KubernetesEmulator` lacks what kopf and kubectl need (shared/reference/kmock-operator-testing.md):
-server-filled uid/resourceVersion/creationTimestamp/generation/kind/apiVersion, 409 on stale
-writes, 422 on a failed JSON-patch test, status-subresource isolation, `/scale` through the
-CRD's `specReplicasPath`, label/field selectors, watches that resume from a resourceVersion
-(410 Expired past the replay window) and honour `timeoutSeconds`, 201 on create, CRD schema
-defaulting, `pods/binding`, deletecollection, server-side printing for kubectl (`kubeemu_table`,
-`kubeemu_printers`), strategic merge patches (a subset, `kubeemu_model`), deletion with
-finalizers, graceful pod termination and garbage collection (`kubeemu_lifecycle`), and O(1)
+kmock's `KubernetesScaffold` gives the HTTP server, discovery, the request log and its reaction DSL
+(`emu['post', kmock.resource('v1/pods')] << 500` still works for fault injection);
+`kubeemu_discovery` declares the resources. The store is our own, because stock `KubernetesEmulator`
+lacks what kopf and kubectl need (shared/reference/kmock-operator-testing.md): server-filled
+uid/resourceVersion/creationTimestamp/generation/kind/apiVersion, 409 on stale writes, 422 on a
+failed JSON-patch test, status-subresource isolation, `/scale` through the CRD's `specReplicasPath`,
+label/field selectors, watches that resume from a resourceVersion (410 Expired past the replay
+window) and honour `timeoutSeconds`, 201 on create, CRD schema defaulting, `pods/binding` and
+`pods/log` through a hook (`kubeemu_pods`), deletecollection, server-side printing for kubectl
+(`kubeemu_table`, `kubeemu_printers`), strategic merge patches (a subset, `kubeemu_model`), deletion
+with finalizers, graceful pod termination and garbage collection (`kubeemu_lifecycle`), and O(1)
 dispatch while no reaction is declared (kmock re-filters its request log per request).
 
 Pod deletion, three ways:
@@ -56,6 +56,7 @@ from kubeemu_model import (
     set_path,
     strategic_merge,
 )
+from kubeemu_pods import PodEndpoints, PodLogs
 from kubeemu_printers import printer_for
 from kubeemu_request import (
     StatusError,
@@ -73,6 +74,7 @@ from kubeemu_table import to_table
 from kubeemu_watch import Event, EventLog, stream
 
 __all__ = ["KubeEmu", "ResourceType"]
+OBJECT_VIEWS = (None, "status", "scale")  # subresources read and written as (part of) the object
 
 
 def _gv(request: kmock.Request) -> str:
@@ -86,12 +88,13 @@ def _json(body: Any, status: int = 200) -> aiohttp.web.Response:
 
 
 @attrs.define(kw_only=True)
-class KubeEmu(Lifecycle, DiscoveryScaffold):
+class KubeEmu(PodEndpoints, Lifecycle, DiscoveryScaffold):
     """The emulator; serve it with `kubeemu_server.serve` or `ServedInThread`."""
 
     pod_termination_seconds: float | None = None  # None: pods vanish at once when deleted
     kubelet_finalizes_pods: bool = False  # True: scheduled pods wait for the kubelet's delete
     history_size: int = 5000  # watch events kept for resuming from a resourceVersion
+    pod_logs: PodLogs | None = None  # serves `kubectl logs` (see kubeemu_pods)
 
     objects: dict[Key, dict[str, Any]] = attrs.field(factory=dict, init=False)
     deleted: list[dict[str, Any]] = attrs.field(factory=list, init=False)  # last states, in order
@@ -160,13 +163,14 @@ class KubeEmu(Lifecycle, DiscoveryScaffold):
         key: Key = (path, ns, name)
         if key not in self.objects:
             raise not_found(path, name)
-        if method == "GET":
+        special = {("GET", "log"): self._log, ("POST", "binding"): self._bind}.get((method, sub))
+        if special is not None:
+            return special(request, key)
+        if method == "GET" and sub in OBJECT_VIEWS:
             if fmt == "table":
                 return _json(self._table(request, path, [self.objects[key]]))
             return _json(self._view(key, sub))
-        if method == "POST" and sub == "binding":
-            return self._bind(request, key)
-        if method in ("PATCH", "PUT"):
+        if method in ("PATCH", "PUT") and sub in OBJECT_VIEWS:
             return self._update(request, key, method)
         if method == "DELETE" and sub is None:
             return _json(self._delete(key, delete_options(request.body, request.params)))
@@ -377,29 +381,6 @@ class KubeEmu(Lifecycle, DiscoveryScaffold):
         if self._can_go(meta):
             self._remove(key)
         return _json(self._view(key, sub) if key in self.objects else new)
-
-    def _bind(self, request: kmock.Request, key: Key) -> aiohttp.web.Response:
-        """POST pods/NAME/binding: what a scheduler does to put a pod on a node."""
-        body = json_body(request.body, {})
-        node = ((body.get("target") if isinstance(body, dict) else None) or {}).get("name")
-        if not node:
-            raise StatusError(400, "BadRequest", "a Binding needs target.name (the node)")
-        pod = json.loads(json.dumps(self.objects[key]))
-        if get_path(pod, ".spec.nodeName"):
-            why = f"pod {key[2]} is already assigned to node {pod['spec']['nodeName']!r}"
-            raise conflict(key[0], key[2], why)
-        pod.setdefault("spec", {})["nodeName"] = node
-        conditions = [
-            c
-            for c in (pod.setdefault("status", {}).get("conditions") or [])
-            if c.get("type") != "PodScheduled"
-        ]
-        scheduled = {"type": "PodScheduled", "status": "True", "lastTransitionTime": now_rfc3339()}
-        pod["status"]["conditions"] = [*conditions, scheduled]
-        pod["metadata"]["resourceVersion"] = self._next_rv()
-        self.objects[key] = pod
-        self._emit(key[0], "MODIFIED", pod)
-        return _json({"apiVersion": "v1", "kind": "Status", "status": "Success", "code": 201}, 201)
 
     def _delete_collection(self, request: kmock.Request, path: str) -> dict[str, Any]:
         options = delete_options(request.body, request.params)

@@ -1,12 +1,13 @@
 """What the Kubernetes emulator serves: resource types, CRD registration and API discovery.
 
 `DiscoveryScaffold` is kmock's `KubernetesScaffold` (HTTP server, `/api`, `/apis`, request log,
-reaction DSL) with the built-in resources the operator and the e2e harness use declared, CRDs
-turned into served resources (kind, scope, short names, subresources, schema for defaulting,
-the scale subresource's `specReplicasPath`, the printer columns), and the discovery answers
-fixed where kmock 0.8 confuses clients: the core group's `groupVersion` is `v1`, subresources
-carry their own kind and verbs (`scale` is an `autoscaling/v1 Scale`, `pods/binding` is create
-only) and no short names, and `/version` reports the kubectl generation in use (v1.32).
+reaction DSL) with the built-in resources the operator and the e2e harness use declared (with
+their short names and the `all` category), CRDs turned into served resources (kind, scope, short
+names, categories, subresources, schema for defaulting, the scale subresource's
+`specReplicasPath`, the printer columns), and the discovery answers fixed where kmock 0.8
+confuses clients: the core group's `groupVersion` is `v1`, subresources carry their own kind and
+verbs (`scale` is an `autoscaling/v1 Scale`, `pods/binding` is create only, `pods/log` get only)
+and no short names, and `/version` reports the kubectl generation in use (v1.32).
 `kubeemu.KubeEmu` adds the object store on top.
 """
 
@@ -23,7 +24,7 @@ VERBS = {"create", "delete", "deletecollection", "get", "list", "patch", "update
 BUILTINS = [  # (group/version, plural, kind, namespaced, subresources)
     ("v1", "namespaces", "Namespace", False, {"status"}),
     ("v1", "nodes", "Node", False, {"status"}),
-    ("v1", "pods", "Pod", True, {"status", "binding"}),
+    ("v1", "pods", "Pod", True, {"status", "binding", "log"}),
     ("v1", "services", "Service", True, {"status"}),
     ("v1", "configmaps", "ConfigMap", True, set()),
     ("v1", "secrets", "Secret", True, set()),
@@ -58,6 +59,7 @@ IN_ALL = {"pods", "services", "deployments"}  # `kubectl get all`
 SUBRESOURCE_DISCOVERY: dict[str, dict[str, Any]] = {
     "scale": {"kind": "Scale", "group": "autoscaling", "version": "v1"},
     "binding": {"kind": "Binding", "verbs": ["create"]},
+    "log": {"verbs": ["get"]},
 }
 
 

@@ -6,7 +6,7 @@
   `Terminating`, ...), RESTARTS with the last restart's age ("3 (5s ago)");
 - Deployments: NAME READY UP-TO-DATE AVAILABLE AGE (+ CONTAINERS, IMAGES, SELECTOR);
 - Services: NAME TYPE CLUSTER-IP EXTERNAL-IP PORT(S) AGE (+ SELECTOR);
-- Namespaces: NAME STATUS AGE;
+- Namespaces: NAME STATUS AGE; Events: LAST SEEN TYPE REASON OBJECT MESSAGE;
 - every other built-in: NAME AGE. Custom resources: `kubeemu_table.custom_printer`.
 """
 
@@ -167,6 +167,22 @@ def _service_cells(svc: Obj) -> list[Any]:
     ]
 
 
+def _event_cells(event: Obj) -> list[Any]:
+    involved = event.get("involvedObject") or {}
+    series = (event.get("series") or {}).get("lastObservedTime")
+    last = series or event.get("lastTimestamp") or event.get("eventTime")
+    return [
+        age(last),
+        event.get("type") or "",
+        event.get("reason") or "",
+        f"{str(involved.get('kind', '')).lower()}/{involved.get('name', '')}",
+        str(event.get("message") or "").strip(),
+        age(event.get("firstTimestamp") or event.get("eventTime")),
+        int(event.get("count") or 1),
+        meta(event).get("name"),
+    ]
+
+
 BUILTIN_PRINTERS: dict[str, Printer] = {
     "v1/pods": Printer(
         [
@@ -206,6 +222,19 @@ BUILTIN_PRINTERS: dict[str, Printer] = {
             column("Selector", "Route traffic to pods with matching labels.", priority=1),
         ],
         _service_cells,
+    ),
+    "v1/events": Printer(
+        [
+            column("Last Seen", "Time since the event was last seen."),
+            column("Type", "Normal or Warning."),
+            column("Reason", "Why the event was reported."),
+            column("Object", "The object the event is about."),
+            column("Message", "What happened."),
+            column("First Seen", "Time since the event was first seen.", priority=1),
+            column("Count", "How often it happened.", "integer", priority=1),
+            column("Name", "The event's name.", priority=1),
+        ],
+        _event_cells,
     ),
     "v1/namespaces": Printer(
         [NAME, column("Status", "The status of the namespace."), AGE],
