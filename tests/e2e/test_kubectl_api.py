@@ -8,12 +8,14 @@ test_kubectl_pods.py; refused requests in test_kubectl_errors.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import re
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -249,3 +251,20 @@ def test_get_watch_prints_rows_as_the_engine_changes(api_server: ApiServer) -> N
     finally:
         watcher.kill()
         watcher.wait(10)
+
+
+def test_stopping_the_server_ends_open_watches(tmp_path: Path) -> None:
+    ended = threading.Event()
+
+    def watch(url: str) -> None:
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=30) as answer:
+            answer.read()
+        ended.set()
+
+    with ApiServer(tmp_path) as api:
+        url = f"{api.url}/api/v1/namespaces/default/pods?watch=1"
+        threading.Thread(target=watch, args=(url,), daemon=True).start()
+        wait_until(lambda: api.emu._events._watchers.get("v1/pods"), 5, what="the watch")
+        stopping = time.monotonic()
+    assert time.monotonic() - stopping < 3  # not the 10 s the thread join would wait
+    assert ended.wait(5)

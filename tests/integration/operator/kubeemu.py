@@ -387,6 +387,10 @@ class KubeEmu(PodEndpoints, Lifecycle, DiscoveryScaffold):
         gone = [self._delete(k, options) for k, _ in self._selected(request, path)]
         return {"apiVersion": _gv(request), "kind": f"{self.types[path].kind}List", "items": gone}
 
+    def close_watches(self) -> None:
+        """End every open watch stream, so that the server can stop at once."""
+        self._events.close()
+
     async def __aexit__(self, *exc: Any) -> None:
         for task in list(self._tasks):
             task.cancel()

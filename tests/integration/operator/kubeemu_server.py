@@ -14,9 +14,17 @@ from kubeemu import KubeEmu
 
 @contextlib.asynccontextmanager
 async def serve(emu: KubeEmu) -> AsyncIterator[str]:
-    """Serve the emulator on a free 127.0.0.1 port; yields the base URL."""
+    """Serve the emulator on a free 127.0.0.1 port; yields the base URL.
+
+    On the way out, open watches are ended first: aiohttp would otherwise wait for their
+    handlers, which idle until their timeoutSeconds.
+    """
     async with emu, kmock.Server(emu) as server:
-        yield str(server.url).rstrip("/")
+        try:
+            yield str(server.url).rstrip("/")
+        finally:
+            emu.close_watches()
+            await asyncio.sleep(0)  # let the handlers see it and return
 
 
 class ServedInThread:

@@ -17,6 +17,7 @@ import aiohttp.web
 from kubeemu_request import StatusError
 
 Event = dict[str, Any]
+CLOSED: Event = {"type": "CLOSED"}  # not a Kubernetes event: ends the stream
 
 
 class EventLog:
@@ -56,6 +57,12 @@ class EventLog:
         """Stop delivering to a queue."""
         self._watchers.get(path, set()).discard(queue)
 
+    def close(self) -> None:
+        """End every open watch (the server is stopping: its handlers must return)."""
+        for queues in self._watchers.values():
+            for queue in queues:
+                queue.put_nowait(CLOSED)
+
 
 async def stream(
     raw_request: aiohttp.web.BaseRequest,
@@ -81,7 +88,10 @@ async def stream(
         async with asyncio.timeout(timeout):
             while True:
                 source = pending if not pending.empty() else queue
-                event = shown(await source.get())
+                raw = await source.get()
+                if raw is CLOSED:
+                    break
+                event = shown(raw)
                 if event is not None:
                     await response.write(json.dumps(event).encode() + b"\n")
     except (TimeoutError, ConnectionError):
