@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 from apiserver import CRD_FILE, KUBECTL, MERGE, REPO, ApiServer, parse_table, wait_until
-from kubeemu_table import age, human_duration
+from kubeemu_table import age, custom_cell, human_duration, json_path
 
 pytestmark = pytest.mark.e2e
 EXAMPLE = REPO / "examples" / "smollm2-cpu.yaml"
@@ -101,6 +101,26 @@ def test_ages_read_as_kubernetes_prints_them() -> None:
     assert {s: human_duration(s) for s in expected} == expected
     assert re.fullmatch(r"\d+y(\d+d)?", age("2020-01-01T00:00:00Z"))
     assert age(None) == "<unknown>"
+
+
+def test_printer_columns_evaluate_like_the_apiextensions_server() -> None:
+    obj = {
+        "spec": {"n": 2.0, "on": True, "tags": ["a", "b"], "m": {"k": "v"}},
+        "status": {"conditions": [{"type": "A", "status": "False"}, {"type": "B", "ok": 1}]},
+    }
+    assert json_path(obj, '.status.conditions[?(@.type=="B")].ok') == [1]
+    assert json_path(obj, "{.status.conditions[*].type}") == ["A", "B"]
+    assert json_path(obj, ".spec.tags[1]") == ["b"] and json_path(obj, ".spec.nope") == []
+
+    def cell(kind: str, path: str) -> Any:
+        return custom_cell({"name": "X", "type": kind, "jsonPath": path}, obj)
+
+    assert cell("integer", ".spec.n") == 2 and cell("number", ".spec.n") == 2.0
+    assert cell("boolean", ".spec.on") is True and cell("string", ".spec.on") == "true"
+    assert cell("string", ".spec.m") == '{"k":"v"}' and cell("string", ".spec.nope") is None
+    assert cell("integer", ".spec.on") is None  # the wrong JSON type prints nothing
+    assert cell("date", ".spec.m.k") == "<invalid>"
+    assert cell("string", '.status.conditions[?(@.type=="A")].status') == "False"
 
 
 def test_reapplying_a_changed_file_patches_the_spec(api_server: ApiServer, tmp_path: Path) -> None:
