@@ -175,17 +175,23 @@ def mixed_requests(block_size: int) -> list[tuple[int, int]]:
 
 
 def require_interpreted_kernels() -> None:
-    """Skip the calling test module unless corefleet's Triton kernels run in the interpreter.
+    """Skip (GPU machine) or fail (CPU machine) unless corefleet's Triton kernels run in the
+    interpreter in this process.
 
-    They are compiled instead when a module imported them before ``TRITON_INTERPRET=1`` was set
-    (on a GPU machine, ``tests/gpu`` does so when the whole suite runs in one process).
+    They are compiled instead when something imported them before a ``conftest.py`` set
+    ``TRITON_INTERPRET=1``: on a GPU machine ``tests/gpu`` does, when the whole suite runs in
+    one process. Without a GPU that can only be a mistake, and silently skipping would hide
+    every kernel test.
     """
     from corefleet.kernels import triton_attention
     from corefleet.kernels.triton_support import is_interpreted
 
-    if not is_interpreted(triton_attention._unified_attention_kernel):
+    if is_interpreted(triton_attention._unified_attention_kernel):
+        return
+    why = "corefleet's Triton kernels were imported before TRITON_INTERPRET=1 was set"
+    if torch.cuda.is_available():
         pytest.skip(
-            "corefleet's Triton kernels were compiled natively in this process; run the "
-            "interpreter tests in a pytest process of their own",
+            f"{why} (tests/gpu ran them natively); run this folder on its own",
             allow_module_level=True,
         )
+    raise RuntimeError(f"{why}: they cannot run on this machine without a GPU")
