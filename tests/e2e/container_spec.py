@@ -1,0 +1,239 @@
+"""From a pod's container spec to what the local kubelet runs: argv, env and mounts.
+
+What a kubelet resolves before it starts a container, following Kubernetes' rules:
+- env: literal values, the downward API (`fieldRef`: metadata.name/namespace/uid/labels,
+  spec.nodeName, status.podIP/hostIP), `secretKeyRef` and `configMapKeyRef` (missing and not
+  `optional` → the container cannot be created, with the real reason);
+- `$(VAR)` in env values, command and args expands to an earlier-defined variable, `$$` escapes,
+  an unknown name stays as written;
+- volumes: `emptyDir` and `secret`/`configMap` become folders of the pod, `hostPath` the node's
+  folder; each `volumeMount` is a bind mount;
+- the image: a known image is this machine's corefleet installation plus a layer of files at
+  the paths the Dockerfile gives them (overlaid on the node's folders); an unknown image fails
+  as a pull would.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import fnmatch
+import os
+import pathlib
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from netns import Mount
+
+Pod = Mapping[str, Any]
+Fetch = Callable[[str, str, str], Awaitable[dict[str, Any] | None]]  # (plural, ns, name)
+_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+class ContainerConfigError(RuntimeError):
+    """The container cannot be created as specified (kubelet reason + message)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Image:
+    """What an image means on this node: files (container path → node path) over the host."""
+
+    pattern: str  # fnmatch pattern of image references, e.g. "ghcr.io/corefleet/corefleet:*"
+    files: Mapping[str, pathlib.Path]
+    path: str  # PATH inside the container
+
+
+@dataclasses.dataclass(frozen=True)
+class ContainerPlan:
+    """Everything needed to start one container."""
+
+    argv: list[str]
+    env: dict[str, str]
+    mounts: list[Mount]
+    workdir: str
+
+
+def expand(text: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' `$(VAR)` expansion: known names replaced, `$$` → `$`, others kept."""
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group(1)
+        return env.get(name, match.group(0))
+
+    return _VAR.sub(one, text)
+
+
+def find_image(reference: str, images: list[Image]) -> Image:
+    """The node's image for a reference, or the error a failed pull reports."""
+    for image in images:
+        if fnmatch.fnmatchcase(reference, image.pattern):
+            return image
+    known = ", ".join(i.pattern for i in images) or "none"
+    raise ContainerConfigError(
+        "ErrImagePull", f'image "{reference}" is not available on this node (it has: {known})'
+    )
+
+
+def image_layer(image: Image, root: pathlib.Path) -> list[Mount]:
+    """Overlay mounts putting the image's files at their paths (one per top-level folder)."""
+    tops: dict[str, pathlib.Path] = {}
+    for inside, node_path in image.files.items():
+        parts = pathlib.PurePosixPath(inside).parts  # ("/", "opt", "corefleet", ...)
+        top = parts[1]
+        layer = root / top
+        dest = layer.joinpath(*parts[2:])
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if not dest.is_symlink():
+            dest.symlink_to(node_path)
+        if not os.path.isdir(f"/{top}"):
+            raise ContainerConfigError(
+                "CreateContainerError", f"image folder /{top} has no mount point on this node"
+            )
+        tops[top] = layer
+    return [Mount(source=layer, target=f"/{top}", overlay=True) for top, layer in tops.items()]
+
+
+def _field(pod: Pod, path: str, pod_ip: str, host_ip: str) -> str:
+    meta = pod.get("metadata") or {}
+    simple = {
+        "metadata.name": meta.get("name", ""),
+        "metadata.namespace": meta.get("namespace", ""),
+        "metadata.uid": meta.get("uid", ""),
+        "spec.nodeName": (pod.get("spec") or {}).get("nodeName", ""),
+        "spec.serviceAccountName": (pod.get("spec") or {}).get("serviceAccountName", "default"),
+        "status.podIP": pod_ip,
+        "status.hostIP": host_ip,
+    }
+    if path in simple:
+        return str(simple[path])
+    match = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
+    if match:
+        return str((meta.get(match.group(1)) or {}).get(match.group(2), ""))
+    raise ContainerConfigError("CreateContainerConfigError", f"unsupported fieldPath {path!r}")
+
+
+async def _key_ref(ref: Mapping[str, Any], plural: str, ns: str, fetch: Fetch) -> str | None:
+    obj = await fetch(plural, ns, ref.get("name", ""))
+    kind = "secret" if plural == "secrets" else "configmap"
+    if obj is None:
+        if ref.get("optional"):
+            return None
+        raise ContainerConfigError(
+            "CreateContainerConfigError", f'{kind} "{ref.get("name")}" not found'
+        )
+    data = obj.get("data") or {}
+    if ref.get("key") not in data:
+        if ref.get("optional"):
+            return None
+        raise ContainerConfigError(
+            "CreateContainerConfigError",
+            f"couldn't find key {ref.get('key')} in {kind.capitalize()} {ns}/{ref.get('name')}",
+        )
+    value = data[ref["key"]]
+    return base64.b64decode(value).decode() if plural == "secrets" else str(value)
+
+
+async def resolve_env(
+    pod: Pod, container: Mapping[str, Any], image: Image, pod_ip: str, host_ip: str, fetch: Fetch
+) -> dict[str, str]:
+    """The container's environment: the image's basics, then its `env` in order."""
+    ns = (pod.get("metadata") or {}).get("namespace", "default")
+    spec = pod.get("spec") or {}
+    env = {
+        "PATH": image.path,
+        "HOME": "/root",
+        "HOSTNAME": spec.get("hostname") or pod["metadata"]["name"],
+        "LANG": "C.UTF-8",
+    }
+    for item in container.get("env") or ():
+        source = item.get("valueFrom")
+        if source is None:
+            env[item["name"]] = expand(str(item.get("value", "")), env)
+            continue
+        value: str | None
+        if "fieldRef" in source:
+            value = _field(pod, source["fieldRef"]["fieldPath"], pod_ip, host_ip)
+        elif "secretKeyRef" in source:
+            value = await _key_ref(source["secretKeyRef"], "secrets", ns, fetch)
+        elif "configMapKeyRef" in source:
+            value = await _key_ref(source["configMapKeyRef"], "configmaps", ns, fetch)
+        else:
+            raise ContainerConfigError(
+                "CreateContainerConfigError", f"unsupported valueFrom in env {item['name']}"
+            )
+        if value is not None:
+            env[item["name"]] = value
+    return env
+
+
+async def _volume_source(
+    volume: Mapping[str, Any], folder: pathlib.Path, ns: str, fetch: Fetch
+) -> pathlib.Path:
+    if "emptyDir" in volume:
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+    if "hostPath" in volume:
+        return pathlib.Path(volume["hostPath"]["path"])
+    for kind, plural in (("secret", "secrets"), ("configMap", "configmaps")):
+        if kind in volume:
+            ref = volume[kind]
+            name = ref.get("secretName") or ref.get("name", "")
+            obj = await fetch(plural, ns, name)
+            if obj is None:
+                raise ContainerConfigError(
+                    "CreateContainerConfigError", f'{kind.lower()} "{name}" not found'
+                )
+            folder.mkdir(parents=True, exist_ok=True)
+            for key, value in (obj.get("data") or {}).items():
+                raw = base64.b64decode(value) if kind == "secret" else str(value).encode()
+                (folder / key).write_bytes(raw)
+            return folder
+    raise ContainerConfigError(
+        "CreateContainerConfigError",
+        f"volume {volume.get('name')!r}: only emptyDir, hostPath, secret and configMap are "
+        "supported by the local kubelet",
+    )
+
+
+async def plan_container(
+    pod: Pod,
+    image: Image,
+    pod_ip: str,
+    host_ip: str,
+    pod_dir: pathlib.Path,
+    fetch: Fetch,
+) -> ContainerPlan:
+    """Resolve the pod's first container into a plan (raises ContainerConfigError)."""
+    spec = pod.get("spec") or {}
+    container = (spec.get("containers") or [{}])[0]
+    env = await resolve_env(pod, container, image, pod_ip, host_ip, fetch)
+    argv = [expand(a, env) for a in [*container.get("command", []), *container.get("args", [])]]
+    if not argv:
+        raise ContainerConfigError("CreateContainerError", "no command: the image has no default")
+    ns = pod["metadata"].get("namespace", "default")
+    mounts = image_layer(image, pod_dir / "image")
+    sources = {
+        v["name"]: await _volume_source(v, pod_dir / "volumes" / v["name"], ns, fetch)
+        for v in spec.get("volumes") or ()
+    }
+    for mount in container.get("volumeMounts") or ():
+        if mount["name"] not in sources:
+            raise ContainerConfigError(
+                "CreateContainerConfigError", f"volumeMount {mount['name']!r} has no volume"
+            )
+        if not os.path.exists(mount["mountPath"]):
+            raise ContainerConfigError(
+                "CreateContainerError",
+                f"mount point {mount['mountPath']} does not exist on this node",
+            )
+        mounts.append(
+            Mount(sources[mount["name"]], mount["mountPath"], read_only=bool(mount.get("readOnly")))
+        )
+    return ContainerPlan(argv, env, mounts, container.get("workingDir") or "/")

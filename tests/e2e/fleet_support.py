@@ -1,0 +1,151 @@
+"""Observers for the fleet scenarios: a streaming load, the status history, the coordinator.
+
+`StreamingLoad` keeps `clients` streaming chat completions going through the official `openai`
+client (no retries: a request that fails is counted, not hidden) and records each one's outcome.
+`StatusRecorder` samples the InferenceEngine's status in the background, so a test can assert
+the stages and conditions it passed through, not just where it ended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+from cluster import LocalCluster
+
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "List three facts about the Moon.",
+    "Explain what a hash table is, briefly.",
+    "Give me a recipe for pancakes.",
+]
+
+
+@dataclasses.dataclass
+class Outcome:
+    """One streamed request: how it ended, and when."""
+
+    started: float
+    ended: float
+    finish_reason: str | None
+    text: str
+    error: str | None
+
+
+class StreamingLoad:
+    """`clients` threads, each sending streaming chat requests back to back until stopped."""
+
+    def __init__(self, base_url: str, model: str, clients: int = 3, max_tokens: int = 48) -> None:
+        self.base_url, self.model, self.max_tokens = base_url, model, max_tokens
+        self.outcomes: list[Outcome] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(clients)
+        ]
+
+    def __enter__(self) -> StreamingLoad:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(120)
+
+    def _client(self, index: int) -> None:
+        client = openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=120)
+        n = index
+        while not self._stop.is_set():
+            self.outcomes.append(self._one(client, PROMPTS[n % len(PROMPTS)]))
+            n += 1
+
+    def _one(self, client: openai.OpenAI, prompt: str) -> Outcome:
+        started, text, finish = time.monotonic(), "", None
+        try:
+            stream = client.chat.completions.create(
+                model=self.model,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=self.max_tokens,
+                temperature=0.0,
+                stream=True,
+            )
+            for chunk in stream:
+                for choice in chunk.choices:
+                    text += choice.delta.content or ""
+                    finish = choice.finish_reason or finish
+        except openai.OpenAIError as exc:
+            return Outcome(started, time.monotonic(), finish, text, f"{type(exc).__name__}: {exc}")
+        return Outcome(started, time.monotonic(), finish, text, None)
+
+    def wait_completed(self, count: int, timeout: float) -> None:
+        """Block until at least `count` requests have ended."""
+        deadline = time.monotonic() + timeout
+        while len(self.outcomes) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"only {len(self.outcomes)}/{count} requests ended in time")
+            time.sleep(0.1)
+
+    def failures(self) -> list[Outcome]:
+        """Requests that raised or did not end with `stop` or `length`."""
+        return [o for o in self.outcomes if o.error or o.finish_reason not in ("stop", "length")]
+
+
+class StatusRecorder:
+    """Samples `status` of an InferenceEngine from the API server every `interval` seconds."""
+
+    def __init__(self, cluster: LocalCluster, name: str, interval: float = 0.2) -> None:
+        self.cluster, self.name, self.interval = cluster, name, interval
+        self.samples: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> StatusRecorder:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            obj = self.cluster.api.emu.obj(
+                "corefleet.dev/v1alpha1/inferenceengines", "default", self.name
+            )
+            status = json.loads(json.dumps((obj or {}).get("status") or {}))
+            if not self.samples or self.samples[-1] != status:
+                self.samples.append(status)
+            time.sleep(self.interval)
+
+    def stages(self, rank: int) -> list[str]:
+        """The distinct successive stages a rank was reported in ('gone' when absent)."""
+        seen: list[str] = []
+        for status in self.samples:
+            entry = next((r for r in status.get("ranks") or () if r.get("rank") == rank), None)
+            stage = entry["stage"] if entry else "gone"
+            if not seen or seen[-1] != stage:
+                seen.append(stage)
+        return seen
+
+    def conditions(self, kind: str) -> Iterator[tuple[str, str]]:
+        """(status, reason) of a condition, each change once, in order."""
+        last = None
+        for status in self.samples:
+            cond = next((c for c in status.get("conditions") or () if c["type"] == kind), None)
+            now = (cond["status"], cond.get("reason", "")) if cond else None
+            if now is not None and now != last:
+                yield now
+            last = now
+
+
+def admin_engines(base_url: str) -> list[dict[str, Any]]:
+    """The coordinator's `/admin/engines` (base_url without /v1)."""
+    with urllib.request.urlopen(f"{base_url}/admin/engines", timeout=5) as resp:
+        return list(json.load(resp))

@@ -1,0 +1,237 @@
+"""The local node on its own (no operator, no model): pods as processes in their own network
+namespaces, Service DNS, probes, restarts, graceful termination, Deployments, scheduling, and
+nothing left behind. Small shell containers, so the whole file runs in well under a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from cluster import LocalCluster, wait_for
+from netns import can_create_namespaces
+
+_why_not = can_create_namespaces()
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(_why_not is not None, reason=str(_why_not))]
+
+PODS = "/api/v1/namespaces/default/pods"
+
+
+@pytest.fixture
+def node(tmp_path: pathlib.Path) -> Iterator[LocalCluster]:
+    """The harness with a 1 s restart back-off; checks that it leaves no namespace behind."""
+    with LocalCluster(tmp_path, backoff_base=1.0) as cluster:
+        assert cluster.kubelet is not None and cluster.kubelet.network is not None
+        prefix = cluster.kubelet.network.prefix
+        yield cluster
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in left, left
+    assert not cluster.kubelet.errors, cluster.kubelet.errors
+
+
+def _pod(name: str, script: str, **spec: Any) -> dict[str, Any]:
+    labels = spec.pop("labels", {})
+    container = {"name": "main", "image": "corefleet:dev", "command": ["sh", "-c", script]}
+    container.update(spec.pop("container", {}))
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"containers": [container], **spec},
+    }
+
+
+def _status(node: LocalCluster, name: str) -> dict[str, Any]:
+    obj = node.api.emu.obj("v1/pods", "default", name)
+    return (obj or {}).get("status") or {}
+
+
+def _container(node: LocalCluster, name: str) -> dict[str, Any]:
+    return (_status(node, name).get("containerStatuses") or [{}])[0]  # type: ignore[no-any-return]
+
+
+def test_pods_get_own_addresses_and_find_services_by_name(node: LocalCluster) -> None:
+    server = _pod(
+        "web",
+        "exec python3 -m http.server 8080",
+        labels={"app": "web"},
+        container={
+            "ports": [{"name": "http", "containerPort": 8080}],
+            "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 5},
+            "env": [{"name": "MY_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        },
+    )
+    client = _pod(
+        "client",
+        'echo ip=$MY_IP; python3 -c "import urllib.request as u; '
+        "print('status', u.urlopen('http://web:8080/', timeout=5).status)\"; "
+        'python3 -c "import urllib.request as u; '
+        "print('fqdn', u.urlopen('http://web.default.svc.cluster.local:8080/').status)\"; "
+        "sleep 600",
+        container={
+            "env": [{"name": "MY_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+        },
+    )
+    node.api.request("POST", PODS, server, expect=201)
+    service = {
+        "metadata": {"name": "web"},
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 8080}]},
+    }
+    node.api.request("POST", "/api/v1/namespaces/default/services", service, expect=201)
+    wait_for(lambda: _container(node, "web").get("ready"), 30, "web to be Ready")
+    node.api.request("POST", PODS, client, expect=201)
+    assert node.kubelet is not None
+    wait_for(lambda: "fqdn 200" in node.kubelet.log("default", "client"), 30, "client output")  # type: ignore[union-attr]
+    log = node.kubelet.log("default", "client")
+    ips = {_status(node, "web")["podIP"], _status(node, "client")["podIP"]}
+    assert len(ips) == 2
+    assert f"ip={_status(node, 'client')['podIP']}" in log and "status 200" in log
+    namespaces = node.kubelet.namespaces()
+    assert len(namespaces) == 2 and all(
+        n.startswith(node.kubelet.network.prefix) for n in namespaces
+    )  # type: ignore[union-attr]
+
+
+def test_a_crashing_container_restarts_then_backs_off(node: LocalCluster) -> None:
+    node.api.request("POST", PODS, _pod("crash", "echo started; exit 3"), expect=201)
+    wait_for(lambda: _container(node, "crash").get("restartCount", 0) >= 2, 30, "two restarts")
+    wait_for(
+        lambda: (
+            _container(node, "crash").get("state", {}).get("waiting", {}).get("reason")
+            == "CrashLoopBackOff"
+        ),
+        30,
+        "CrashLoopBackOff",
+        0.05,
+    )
+    last = _container(node, "crash")["lastState"]["terminated"]
+    assert (last["exitCode"], last["reason"]) == (3, "Error")
+    printed = node.kubectl("get", "pods", "crash")
+    assert "CrashLoopBackOff" in printed, printed
+
+
+def test_deletion_sends_sigterm_then_sigkill_after_the_grace_period(node: LocalCluster) -> None:
+    polite = _pod("polite", "trap 'echo got TERM; exit 0' TERM; while true; do sleep 0.1; done")
+    stubborn = _pod(
+        "stubborn",
+        "trap 'echo ignoring TERM' TERM; while true; do sleep 0.1; done",
+        terminationGracePeriodSeconds=2,
+    )
+    for pod in (polite, stubborn):
+        node.api.request("POST", PODS, pod, expect=201)
+    assert node.kubelet is not None
+    wait_for(
+        lambda: all(
+            node.kubelet.worker("default", n) and node.kubelet.worker("default", n).pid
+            for n in ("polite", "stubborn")
+        ),
+        30,
+        "both running",
+    )  # type: ignore[union-attr]
+    pids = {n: node.kubelet.worker("default", n).pid for n in ("polite", "stubborn")}  # type: ignore[union-attr]
+    started = time.monotonic()
+    node.kubectl("delete", "pod", "polite", "stubborn", "--wait=true", "--timeout=30s", timeout=40)
+    took = time.monotonic() - started
+    assert "got TERM" in node.kubelet.log("default", "polite")
+    assert "ignoring TERM" in node.kubelet.log("default", "stubborn")
+    assert 2.0 <= took < 10.0, took  # the stubborn one is killed when its 2 s are over
+    for pid in pids.values():
+        assert not pathlib.Path(f"/proc/{pid}").exists()
+    assert node.kubelet.namespaces() == []
+
+
+def test_gpu_pods_stay_pending_with_the_schedulers_message(node: LocalCluster) -> None:
+    gpu = _pod("gpu", "true", container={"resources": {"limits": {"nvidia.com/gpu": 1}}})
+    elsewhere = _pod("arm", "true", nodeSelector={"kubernetes.io/arch": "s390x"})
+    for pod in (gpu, elsewhere):
+        node.api.request("POST", PODS, pod, expect=201)
+    wait_for(
+        lambda: _status(node, "gpu").get("conditions") and _status(node, "arm").get("conditions"),
+        10,
+        "scheduling",
+    )
+    gpu_cond = _status(node, "gpu")["conditions"][0]
+    assert (gpu_cond["status"], gpu_cond["reason"]) == ("False", "Unschedulable")
+    assert "Insufficient nvidia.com/gpu" in gpu_cond["message"]
+    assert "node affinity/selector" in _status(node, "arm")["conditions"][0]["message"]
+    assert _status(node, "gpu")["phase"] == "Pending"
+
+
+def test_a_deployment_keeps_its_pods_and_recreates_them_on_a_new_template(
+    node: LocalCluster,
+) -> None:
+    body = {
+        "metadata": {"name": "app"},
+        "spec": {
+            "replicas": 2,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": {"app": "x"}},
+            "template": {
+                "metadata": {"labels": {"app": "x"}},
+                "spec": {
+                    "containers": [
+                        {"name": "c", "image": "corefleet:dev", "command": ["sleep", "600"]}
+                    ]
+                },
+            },
+        },
+    }
+    node.api.request("POST", "/apis/apps/v1/namespaces/default/deployments", body, expect=201)
+
+    def running() -> list[str]:
+        return sorted(
+            p["metadata"]["name"]
+            for p in node.api.emu.objs("v1/pods", "default")
+            if (p.get("status") or {}).get("phase") == "Running"
+            and not p["metadata"].get("deletionTimestamp")
+        )
+
+    first = wait_for(lambda: len(running()) == 2 and running(), 30, "two pods")
+    node.kubectl("delete", "pod", first[0], "--wait=false")
+    wait_for(lambda: len(running()) == 2 and first[0] not in running(), 30, "a replacement")
+    patch = {
+        "spec": {
+            "template": {
+                "spec": {
+                    "containers": [
+                        {"name": "c", "image": "corefleet:dev", "command": ["sleep", "601"]}
+                    ]
+                }
+            }
+        }
+    }
+    node.kubectl("patch", "deployment", "app", "--type", "merge", "-p", json.dumps(patch))
+    wait_for(lambda: len(running()) == 2 and not set(running()) & set(first), 30, "new pods")
+    dep = node.api.emu.obj("apps/v1/deployments", "default", "app") or {}
+    wait_for(
+        lambda: (
+            (node.api.emu.obj("apps/v1/deployments", "default", "app") or {})
+            .get("status", {})
+            .get("availableReplicas")
+            == 2
+        ),
+        10,
+        "status",
+    )
+    assert dep
+    node.kubectl("delete", "deployment", "app", "--wait=false")
+    wait_for(lambda: not node.api.emu.objs("v1/pods", "default"), 30, "the pods to go with it")
+
+
+def test_an_unknown_image_fails_like_a_pull(node: LocalCluster) -> None:
+    pod = _pod("nope", "true", container={"image": "example.com/nothing:1"})
+    node.api.request("POST", PODS, pod, expect=201)
+    wait_for(
+        lambda: (
+            _container(node, "nope").get("state", {}).get("waiting", {}).get("reason")
+            in ("ErrImagePull", "ImagePullBackOff")
+        ),
+        10,
+        "a pull error",
+    )
+    assert "example.com/nothing:1" in _container(node, "nope")["state"]["waiting"]["message"]
