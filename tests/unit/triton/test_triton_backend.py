@@ -26,7 +26,6 @@ CUDA = torch.device("cuda")  # only named, never touched: these tests run withou
 def test_triton_runs_on_cpu_under_the_interpreter() -> None:
     chosen = select_attention_backend("triton", CPU)
     assert chosen.name == "triton" and chosen.needs_block_tables
-    assert select_attention_backend("auto", CPU).name in ("cpu", "torch")  # auto never picks it
 
 
 def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
