@@ -85,6 +85,8 @@ class LocalCluster:
             self.kubelet = Kubelet(self.api.url, self.folder / "node", images, self._backoff_base)
             self.kubelet.start()
             self._stack.callback(self.kubelet.stop)
+            kubelet = self.kubelet
+            self.api.emu.pod_logs = lambda ns, pod, _container: kubelet.log(ns, pod) or None
             self.operator = self._start_operator()
             self._stack.callback(self._stop_operator)
         except BaseException:

@@ -69,6 +69,7 @@ class PodWorker:
         self.grace_seconds = float(spec.get("terminationGracePeriodSeconds", 30))
         self.start_time = now()
         self._phase = "Pending"
+        self._runs = 0  # container starts so far
 
     # --- what the kubelet's loop tells the worker
     def update(self, pod: Mapping[str, Any]) -> None:
@@ -138,6 +139,9 @@ class PodWorker:
             await self._report()
             return True
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self._runs:
+            self.container.restart_count += 1  # counts restarts, not exits, as Kubernetes does
+        self._runs += 1
         with open(self.log_path, "ab") as log:
             self.process = self.sandbox.spawn(plan.argv, plan.env, plan.mounts, plan.workdir, log)
         started_at = now()
@@ -151,7 +155,6 @@ class PodWorker:
         assert self.process is not None
         rc = self.process.returncode
         self.container.last_state = {"terminated": terminated(rc, started_at)}
-        self.container.restart_count += 1
         self.container.ready = False
         logger.info("%s/%s: container exited with %s", self.namespace, self.name, rc)
         return True

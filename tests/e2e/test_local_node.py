@@ -113,6 +113,8 @@ def test_a_crashing_container_restarts_then_backs_off(node: LocalCluster) -> Non
     assert (last["exitCode"], last["reason"]) == (3, "Error")
     printed = node.kubectl("get", "pods", "crash")
     assert "CrashLoopBackOff" in printed, printed
+    runs = _container(node, "crash")["restartCount"] + 1
+    assert node.kubectl("logs", "crash").count("started") >= runs  # every run's output
 
 
 def test_deletion_sends_sigterm_then_sigkill_after_the_grace_period(node: LocalCluster) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -118,6 +119,7 @@ def test_scale_down_under_load_drains_with_zero_failures(cluster: LocalCluster) 
     base = _coordinator_url(cluster)
     with StatusRecorder(cluster, NAME) as status, StreamingLoad(f"{base}/v1", MODEL) as load:
         load.wait_completed(3, 120)
+        wait_for(lambda: _running(base).get(1, 0) > 0, 60, "requests running on rank 1")
         cluster.kubectl("scale", f"ie/{NAME}", "--replicas=1")
         wait_for(lambda: _rank_pod(cluster, 1) is None, 120, "rank 1's pod to go")
         done = len(load.outcomes)
@@ -129,7 +131,9 @@ def test_scale_down_under_load_drains_with_zero_failures(cluster: LocalCluster) 
     states = {e["rank"]: e["state"] for e in admin_engines(base)}
     assert states[0] == "ready" and states.get(1, "dead") == "dead", states
     log = cluster.kubelet.log("default", f"{NAME}-engine-1") if cluster.kubelet else ""
-    assert "drain" in log.lower(), log[-2000:]
+    drained = re.search(r"rank 1: draining (\d+) request", log)
+    assert drained and int(drained.group(1)) >= 1, log[-2000:]  # it held work when told to stop
+    assert "rank 1: shut down" in log, log[-2000:]  # and exited by itself, not by SIGKILL
     _wait_ready(cluster, 1)
 
 
@@ -154,6 +158,7 @@ def test_rank_loss_recovers(cluster: LocalCluster) -> None:
         StreamingLoad(f"{base}/v1", MODEL, clients=4) as load,
     ):
         load.wait_completed(2, 120)
+        wait_for(lambda: _running(base).get(1, 0) > 0, 60, "requests running on rank 1")
         in_flight_from = time.monotonic()
         os.kill(worker.pid, signal.SIGKILL)
         load.wait_completed(len(load.outcomes) + 4, 120)
