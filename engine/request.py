@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from collections.abc import Callable
 
@@ -77,12 +78,15 @@ class Request:
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache (-1: not looked up)
         self.num_preemptions = 0
         self.max_tokens = sampling_params.max_tokens
+        # Output length at which max_tokens stops the request (no limit: never).
+        self.output_limit = sys.maxsize if self.max_tokens is None else self.max_tokens
 
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher
         # Token count at which the next block fills: the hasher is called only then, not after
-        # every token (this runs for every running request every step).
-        self._next_full_block_at = 0 if block_hasher is None else self._hash_new_blocks()
+        # every token (this runs for every running request every step; the scheduler's decode
+        # path reads it directly). sys.maxsize without a hasher.
+        self.next_full_block_at = sys.maxsize if block_hasher is None else self.hash_new_blocks()
 
     @classmethod
     def from_engine_core_request(
@@ -116,10 +120,10 @@ class Request:
         """Record one generated token and hash any block it completes."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        if self._block_hasher is not None and len(self.all_token_ids) >= self._next_full_block_at:
-            self._next_full_block_at = self._hash_new_blocks()
+        if len(self.all_token_ids) >= self.next_full_block_at:  # never without a hasher
+            self.next_full_block_at = self.hash_new_blocks()
 
-    def _hash_new_blocks(self) -> int:
+    def hash_new_blocks(self) -> int:
         """Hash every newly full block; returns the token count that fills the next one."""
         assert self._block_hasher is not None
         self.block_hashes.extend(self._block_hasher(self))

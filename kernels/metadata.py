@@ -37,6 +37,8 @@ class AttentionMetadata:
     # Decode rows gather whole blocks: block ids past a row's last block are 0 (the zeroed null
     # block), and the mask hides every position at or past the row's context length.
     decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks] int64
+    # Optional: the torch reference derives it from decode_context_lens when None (the model
+    # runner leaves it None; the CPU kernel walks the lengths and never needs it).
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64, cached + the new token
     prefills: list[PrefillSpan]

@@ -41,14 +41,15 @@ def paged_attention(
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
     if meta.num_decodes:
-        assert meta.decode_block_table is not None and meta.decode_mask is not None
+        assert meta.decode_block_table is not None
+        mask = meta.decode_mask
+        if mask is None:  # built here, from the lengths, only for the backend that needs it
+            assert meta.decode_context_lens is not None
+            width = meta.decode_block_table.shape[1] * k_cache.shape[1]
+            positions = torch.arange(width, device=query.device)  # [nb * bs]
+            mask = (positions[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
         out[: meta.num_decodes] = _decode_attention(
-            query[: meta.num_decodes],
-            k_cache,
-            v_cache,
-            meta.decode_block_table,
-            meta.decode_mask,
-            scale,
+            query[: meta.num_decodes], k_cache, v_cache, meta.decode_block_table, mask, scale
         )
     for span in meta.prefills:
         rows = slice(span.token_start, span.token_start + span.num_new_tokens)

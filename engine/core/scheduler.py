@@ -333,9 +333,23 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None:
                 continue  # finished (aborted) while the model ran
-            if len(generated) == 1:
-                request.append_output_token_ids(generated[0])
-                new_token_ids, finished = generated, check_stop(request, max_model_len)
+            if len(generated) == 1:  # Request.append_output_token_ids, inlined: the hot loop
+                token = generated[0]
+                output_ids, all_ids = request.output_token_ids, request.all_token_ids
+                output_ids.append(token)
+                all_ids.append(token)
+                if len(all_ids) >= request.next_full_block_at:
+                    request.next_full_block_at = request.hash_new_blocks()
+                new_token_ids, finished = generated, False
+                # Only EOS, a stop token or a length limit can stop it: test those cheaply and
+                # run the full rules (min_tokens, stop reasons) only when one of them holds.
+                if (
+                    token == request.eos_token_id
+                    or token in request.stop_token_ids
+                    or len(output_ids) >= request.output_limit
+                    or len(all_ids) >= max_model_len
+                ):
+                    finished = check_stop(request, max_model_len)
             else:
                 new_token_ids, finished = append_tokens(request, generated, max_model_len)
 

@@ -190,14 +190,10 @@ class InputBatch:
         inside = np.arange(max_len)[None, :] < context_lens[:, None]  # [B, L]
         return np.where(inside, self.slot_table[rows, :max_len], 0), inside
 
-    def decode_blocks(
-        self, rows: np.ndarray, context_lens: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Block tables of ``rows`` cut to the longest context, and which positions of the
-        gathered blocks are inside each row's context: ``[B, nb]`` int64, ``[B, nb * bs]`` bool.
+    def decode_blocks(self, rows: np.ndarray, context_lens: np.ndarray) -> np.ndarray:
+        """Block tables of ``rows`` cut to the longest context: ``[B, nb]`` int64.
 
         Block ids past a row's last block are 0, the zeroed null block.
         """
         num_blocks = -(-int(context_lens.max()) // self.block_size)
-        positions = np.arange(num_blocks * self.block_size)
-        return self.block_table[rows, :num_blocks], positions[None, :] < context_lens[:, None]
+        return self.block_table[rows, :num_blocks]

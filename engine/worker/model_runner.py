@@ -198,11 +198,10 @@ class ModelRunner:
         if self.backend.needs_block_tables:
             return self._block_table_metadata(inputs)
         nd = inputs.num_decodes
-        decode_blocks = decode_mask = decode_lens = None
+        decode_blocks = decode_lens = None
         if nd:
-            blocks, inside = self.batch.decode_blocks(inputs.rows[:nd], inputs.context_lens[:nd])
+            blocks = self.batch.decode_blocks(inputs.rows[:nd], inputs.context_lens[:nd])
             decode_blocks = self._to_device(blocks)  # [Bd, nb]
-            decode_mask = self._to_device(inside)[:, None, None, :]  # [Bd, 1, 1, nb * bs]
             decode_lens = self._to_device(inputs.context_lens[:nd])  # [Bd]
         prefills = []
         token_start = nd
@@ -221,7 +220,7 @@ class ModelRunner:
             slot_mapping=self._to_device(inputs.slot_mapping),
             num_decodes=nd,
             decode_block_table=decode_blocks,
-            decode_mask=decode_mask,
+            decode_mask=None,  # derived from decode_lens by the backend that needs one
             decode_context_lens=decode_lens,
             prefills=prefills,
         )

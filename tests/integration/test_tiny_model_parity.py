@@ -67,3 +67,11 @@ def test_small_blocks_chunks_and_preemption_change_nothing(tmp_path: Path) -> No
         _engine_outputs(folder, block_size=4, max_num_batched_tokens=8, num_blocks_override=48)
         == expected
     )
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_every_cpu_attention_backend_equals_hf(tmp_path: Path, backend: str) -> None:
+    """The torch reference (the CUDA fallback, which derives its decode mask from the context
+    lengths) and the C++ kernel, through the engine, on a GQA model."""
+    folder = write_tiny_model(tmp_path / "m", num_kv_heads=2)
+    assert _engine_outputs(folder, attention_backend=backend) == _hf_outputs(folder)
