@@ -25,12 +25,11 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from apiserver import ApiServer
+from apiserver import ApiServer, wait_until
 from container_spec import Image
 from kubelet import Kubelet
 
@@ -51,15 +50,8 @@ def corefleet_image(pattern: str) -> Image:
 
 
 def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
-    """Poll `check` until it returns something truthy; AssertionError after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
+    """`apiserver.wait_until` with the argument order these tests read best in."""
+    return wait_until(check, timeout, interval, what)
 
 
 class LocalCluster:
