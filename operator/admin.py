@@ -48,13 +48,19 @@ def parse_engines(payload: Any) -> dict[int, str] | None:
     return joined
 
 
-async def fetch_engines(url: str, timeout: float) -> dict[int, str] | None:
-    """GET the coordinator's engine table; None if it is unreachable, slow, or unreadable."""
+async def fetch_engines(
+    url: str, timeout: float, api_key: str | None = None
+) -> dict[int, str] | None:
+    """GET the coordinator's engine table; None if it is unreachable, slow, or unreadable.
+
+    ``api_key``: the coordinator's ``--api-key`` (it guards /admin as it guards /v1).
+    """
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         client_timeout = aiohttp.ClientTimeout(total=timeout)
         async with (
             aiohttp.ClientSession(timeout=client_timeout) as session,
-            session.get(url) as resp,
+            session.get(url, headers=headers) as resp,
         ):
             if resp.status != 200:
                 return None

@@ -11,6 +11,7 @@ reconcile that sees the latest state, not one per event.
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import datetime
 import time
@@ -24,14 +25,13 @@ from corefleet.operator import pods as podlib
 from corefleet.operator.curve import generate_keys
 from corefleet.operator.kube import KubeClient
 from corefleet.operator.naming import (
-    COORDINATOR_HTTP_PORT,
     Owner,
     coordinator_name,
     curve_secret_name,
 )
 from corefleet.operator.recent import RecentWrites
 from corefleet.operator.reconcile import Action, Observed, Policy, plan
-from corefleet.operator.spec import InvalidSpec, parse_spec
+from corefleet.operator.spec import EngineSpec, InvalidSpec, parse_spec
 from corefleet.operator.status import Context, compute_status, invalid_spec_status, rank_events
 
 Key = tuple[str, str]  # (namespace, engine name)
@@ -131,7 +131,9 @@ async def _execute(
             _post(body, "Normal", action.reason, action.message)
 
 
-async def _joined(runtime: Runtime, key: Key, ready: bool) -> dict[int, str] | None:
+async def _joined(
+    runtime: Runtime, key: Key, ready: bool, spec: EngineSpec
+) -> dict[int, str] | None:
     if not (runtime.admin_probe and ready):
         return None
     now = time.monotonic()
@@ -139,10 +141,28 @@ async def _joined(runtime: Runtime, key: Key, ready: bool) -> dict[int, str] | N
     if cached is not None and now - cached[0] < runtime.admin_interval:
         return cached[1]
     namespace, name = key
-    url = f"http://{coordinator_name(name)}.{namespace}.svc:{COORDINATOR_HTTP_PORT}/admin/engines"
-    joined = await admin.fetch_engines(url, runtime.admin_timeout)
+    # Through the coordinator's Service, so on the Service's port (spec.coordinator.service).
+    port = spec.coordinator.service_port
+    url = f"http://{coordinator_name(name)}.{namespace}.svc:{port}/admin/engines"
+    api_key = await _api_key(runtime, namespace, spec)
+    joined = await admin.fetch_engines(url, runtime.admin_timeout, api_key)
     runtime.admin_cache[key] = (now, joined)
     return joined
+
+
+async def _api_key(runtime: Runtime, namespace: str, spec: EngineSpec) -> str | None:
+    """The coordinator's API key from the Secret the spec names (None: none, or unreadable)."""
+    ref = spec.coordinator.api_key_secret_ref
+    if ref is None or runtime.client is None:
+        return None
+    secret = await runtime.client.get("Secret", namespace, ref.name)
+    value = ((secret or {}).get("data") or {}).get(ref.key)
+    if not isinstance(value, str):
+        return None
+    try:
+        return base64.b64decode(value).decode().strip()
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 async def _volume_missing(
@@ -228,7 +248,7 @@ async def _reconcile_locked(
         generation=generation,
         coordinator_ready=coordinator_ready,
         volume_missing=await _volume_missing(client, key[0], spec.model.volume, observed),
-        joined=await _joined(runtime, key, coordinator_ready),
+        joined=await _joined(runtime, key, coordinator_ready, spec),
     )
     status = compute_status(owner, spec, observed, result, ctx, previous, now)
     await _write_status(runtime, key, body, previous, status)

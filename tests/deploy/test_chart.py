@@ -72,7 +72,7 @@ OBJECT_RULES = _rules(
     ("apps", "deployments", "list watch create patch"),  # same
     ("policy", "poddisruptionbudgets", "list watch create patch"),  # same
     ("networking.k8s.io", "networkpolicies", "list watch create patch"),  # same
-    ("", "secrets", "list watch create"),  # the CURVE Secret: indexed, created, never patched
+    ("", "secrets", "list watch create get"),  # CURVE Secret; the API key (controller.py)
     ("", "persistentvolumeclaims", "get"),  # controller.py _volume_missing
     ("corefleet.dev", "inferenceengines", "list watch patch"),  # kopf: watch, annotations
     ("corefleet.dev", "inferenceengines/status", "patch"),  # controller.py _write_status

@@ -29,9 +29,11 @@ clusterrole.yaml grants only the reads that exist solely at cluster scope (CRDs,
   resources: [networkpolicies]
   verbs: [list, watch, create, patch]
 # The CURVE key Secret: indexed by kopf and created once; never patched (reconcile.py skips it).
+# get: the coordinator's API key Secret (spec.coordinator.apiKeySecretRef), read to call the
+# coordinator's /admin/engines (controller.py _api_key).
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [list, watch, create]
+  verbs: [list, watch, create, get]
 # The model volume's claim is read to report a missing one (controller.py _volume_missing).
 - apiGroups: [""]
   resources: [persistentvolumeclaims]

@@ -86,3 +86,17 @@ def test_fetch_tolerates_errors_silence_and_absence():
     assert asyncio.run(silent_scenario()) is None
     closed = f"http://127.0.0.1:{_free_port()}/admin/engines"
     assert asyncio.run(fetch_engines(closed, 1.0)) is None
+
+
+def test_fetch_sends_the_api_key_the_coordinator_requires():
+    async def guarded(request):
+        if request.headers.get("Authorization") != "Bearer s3cret":
+            return aiohttp.web.json_response({"error": "invalid or missing API key"}, status=401)
+        return aiohttp.web.json_response([{"rank": 1, "state": "draining"}])
+
+    async def both(url):
+        return await fetch_engines(url, 2.0), await fetch_engines(url, 2.0, "s3cret")
+
+    without, with_key = asyncio.run(_with_server(guarded, both))
+    assert without is None  # refused: the status falls back to what the pods say
+    assert with_key == {1: "draining"}

@@ -1,0 +1,42 @@
+"""The operator reads the coordinator's API key from the Secret the spec names (for the
+coordinator's /admin/engines, which the key guards), through the real client and API."""
+
+from __future__ import annotations
+
+import base64
+
+import kopf
+from operator_harness import cluster, run
+
+from corefleet.operator.controller import Runtime, _api_key
+from corefleet.operator.spec import parse_spec
+
+SPEC = {"image": "corefleet:test", "model": {"path": "/models/m"}}
+
+
+def test_api_key_comes_from_the_referenced_secret(tmp_path):
+    async def scenario():
+        async with cluster(tmp_path / "kubeconfig") as c:
+            secret = {
+                "metadata": {"name": "llm-key"},
+                "data": {"key": base64.b64encode(b"s3cret\n").decode()},
+            }
+            await c.request("POST", "/api/v1/namespaces/default/secrets", secret)
+            runtime = Runtime()
+            runtime.connect(kopf.ConnectionInfo(server=c.url, token="test"))
+            ref = {"apiKeySecretRef": {"name": "llm-key", "key": "key"}}
+            with_key = parse_spec({**SPEC, "coordinator": ref})
+            missing = parse_spec(
+                {**SPEC, "coordinator": {"apiKeySecretRef": {"name": "nope", "key": "key"}}}
+            )
+            try:
+                return (
+                    await _api_key(runtime, "default", with_key),
+                    await _api_key(runtime, "default", missing),
+                    await _api_key(runtime, "default", parse_spec(SPEC)),
+                )
+            finally:
+                assert runtime.client is not None
+                await runtime.client.close()
+
+    assert run(scenario()) == ("s3cret", None, None)
