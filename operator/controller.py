@@ -23,7 +23,7 @@ import kopf
 from corefleet.operator import admin
 from corefleet.operator import pods as podlib
 from corefleet.operator.curve import generate_keys
-from corefleet.operator.kube import KubeClient
+from corefleet.operator.kube import KubeClient, KubeError
 from corefleet.operator.naming import (
     Owner,
     coordinator_name,
@@ -155,7 +155,10 @@ async def _api_key(runtime: Runtime, namespace: str, spec: EngineSpec) -> str | 
     ref = spec.coordinator.api_key_secret_ref
     if ref is None or runtime.client is None:
         return None
-    secret = await runtime.client.get("Secret", namespace, ref.name)
+    try:
+        secret = await runtime.client.get("Secret", namespace, ref.name)
+    except KubeError:  # e.g. no RBAC to read it: the status falls back to the pods
+        return None
     value = ((secret or {}).get("data") or {}).get(ref.key)
     if not isinstance(value, str):
         return None
