@@ -156,6 +156,28 @@ class KVCacheManager:
             self._cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return new_blocks
 
+    def allocate_decode_slot(self, request: Request, num_tokens: int) -> list[int] | None:
+        """``allocate_slots(request, 1)`` for a running request decoding its next token.
+
+        ``num_tokens`` is the request's token count once this token is computed (its computed
+        tokens + 1, which is all of its tokens). The request's blocks hold every computed token,
+        so at most one block is added. Returns the ids of the added blocks (often none), or
+        None, changing nothing, when no block is free. The block the token completes, if any,
+        enters the prefix cache as in ``allocate_slots``.
+        """
+        req_id = request.request_id
+        req_blocks = self.req_to_blocks[req_id]
+        new_ids: list[int] = []
+        if num_tokens > len(req_blocks) * self.block_size:
+            if not self.block_pool.free_block_queue.num_free_blocks:
+                return None
+            block = self.block_pool.get_new_blocks(1)[0]
+            req_blocks.append(block)
+            new_ids = [block.block_id]
+        if self.enable_caching and num_tokens // self.block_size > self.num_cached_block[req_id]:
+            self._cache_blocks(request, num_tokens)
+        return new_ids
+
     def _cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Enter the request's blocks that ``num_tokens`` tokens fill into the prefix cache."""
         req_id = request.request_id

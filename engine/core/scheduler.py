@@ -197,20 +197,27 @@ class Scheduler:
             req_id = request.request_id
             computed = request.num_computed_tokens
             num_new = len(request.all_token_ids) - computed
-            if num_new == 1 and computed + 1 < max_model_len and (computed + 1) % block_size:
-                # Decode fast path: one token that fits in the blocks the request holds and
-                # completes no block (so there is nothing to allocate or cache). 15 steps in
-                # 16 at block size 16; allocate_slots would return no blocks.
+            if num_new == 1 and computed + 1 < max_model_len:
+                # Decode fast path. A token that fits in the blocks the request holds and
+                # completes none needs nothing from the KV manager (15 steps in 16 at block
+                # size 16); one that completes or needs a block takes the manager's lean
+                # single-token path. Only a failed allocation goes on to preemption below.
                 held = req_to_blocks.get(req_id)
-                if held is not None and computed + 1 < len(held) * block_size:
-                    add_id(req_id)
-                    add_blocks(_NO_BLOCKS)
-                    add_computed(computed)
-                    num_scheduled[req_id] = 1
-                    request.num_computed_tokens = computed + 1
-                    token_budget -= 1
-                    req_index += 1
-                    continue
+                if held is not None:
+                    position = computed + 1
+                    if position % block_size and position < len(held) * block_size:
+                        new_block_ids: list[int] | None = _NO_BLOCKS
+                    else:
+                        new_block_ids = kv.allocate_decode_slot(request, position)
+                    if new_block_ids is not None:
+                        add_id(req_id)
+                        add_blocks(new_block_ids)
+                        add_computed(computed)
+                        num_scheduled[req_id] = 1
+                        request.num_computed_tokens = position
+                        token_budget -= 1
+                        req_index += 1
+                        continue
             if num_new > token_budget:
                 num_new = token_budget
             if computed + num_new >= max_model_len:

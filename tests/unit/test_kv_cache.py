@@ -386,3 +386,49 @@ def test_num_blocks_for_memory() -> None:
     # 2 (K, V) * 16 tokens * 4 layers * 2 heads * 64 dim * 2 bytes = 32 KiB per block.
     assert num_blocks_for_memory(32 * 1024 * 10 + 5, 16, 4, 2, 64, 2) == 10
     assert num_blocks_for_memory(0, 16, 4, 2, 64, 2) == 0
+
+
+# --------------------------------------------------------------------- decode fast path
+
+
+def _decode(manager: KVCacheManager, request: Request, lean: bool) -> list[int] | None:
+    """One decode token: the scheduler's lean path or the general allocate_slots."""
+    request.append_output_token_ids(1000 + request.num_tokens)
+    if lean:
+        added = manager.allocate_decode_slot(request, request.num_computed_tokens + 1)
+    else:
+        blocks = manager.allocate_slots(request, 1)
+        added = None if blocks is None else ids(blocks)
+    if added is not None:
+        request.num_computed_tokens += 1
+    return added
+
+
+@pytest.mark.parametrize("prompt_len", [1, 15, 16, 17, 40])
+def test_decode_slot_equals_allocate_slots(prompt_len: int) -> None:
+    managers = {lean: make_manager(num_blocks=20) for lean in (True, False)}
+    requests = {lean: make_request("r", range(prompt_len)) for lean in (True, False)}
+    for lean in (True, False):
+        admit(managers[lean], requests[lean])
+    for _ in range(50):  # across several block boundaries
+        assert _decode(managers[True], requests[True], True) == _decode(
+            managers[False], requests[False], False
+        )
+    lean, general = managers[True], managers[False]
+    assert ids(lean.get_blocks("r")) == ids(general.get_blocks("r"))
+    assert lean.num_cached_block == general.num_cached_block
+    assert free_ids(lean) == free_ids(general)
+    assert [b.block_hash for b in lean.get_blocks("r")] == [
+        b.block_hash for b in general.get_blocks("r")
+    ]
+
+
+def test_decode_slot_without_a_free_block_changes_nothing() -> None:
+    manager = make_manager(num_blocks=3)  # two usable blocks
+    request = make_request("r", range(32))
+    admit(manager, request)
+    held = ids(manager.get_blocks("r"))
+    request.append_output_token_ids(7)
+    assert manager.allocate_decode_slot(request, 33) is None
+    assert ids(manager.get_blocks("r")) == held and manager.num_free_blocks == 0
+    assert manager.num_cached_block["r"] == 2
