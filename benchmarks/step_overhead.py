@@ -4,7 +4,7 @@ A null model runner does everything the real one does before and after the forwa
 (batch state updates, flattened inputs, slot mapping, attention metadata) and "samples" a fixed
 token. 256 requests decode together; the figure is microseconds per step (median of runs).
 
-    python benchmarks/step_overhead.py --num-requests 256
+    python benchmarks/step_overhead.py --num-requests 256 [--by-phase]
 """
 
 from __future__ import annotations
@@ -52,7 +52,10 @@ class NullModelRunner(ModelRunner):
         return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled)
 
 
-def run(num_requests: int, prompt_len: int, steps: int) -> float:
+def decoding_scheduler(
+    num_requests: int, prompt_len: int, steps: int
+) -> tuple[Scheduler, NullModelRunner]:
+    """A scheduler and null runner with ``num_requests`` requests past their prefill."""
     config = EngineConfig.from_kwargs(
         max_model_len=4096,
         max_num_seqs=num_requests,
@@ -71,11 +74,43 @@ def run(num_requests: int, prompt_len: int, steps: int) -> float:
     ):
         so = scheduler.schedule()
         scheduler.update_from_output(so, runner.execute_model(so))
+    return scheduler, runner
+
+
+def run(num_requests: int, prompt_len: int, steps: int) -> float:
+    """Microseconds per step, averaged over ``steps`` decode steps."""
+    scheduler, runner = decoding_scheduler(num_requests, prompt_len, steps)
     t0 = time.perf_counter()
     for _ in range(steps):
         so = scheduler.schedule()
         scheduler.update_from_output(so, runner.execute_model(so))
     return (time.perf_counter() - t0) / steps * 1e6
+
+
+def print_phases(num_requests: int, prompt_len: int, steps: int) -> None:
+    """Median µs of each part of a step, by the first request's position in its block.
+
+    Requests fill a block (hash, cache) or open one (allocate) only at some positions, so the
+    split shows what a step costs with and without that work.
+    """
+    scheduler, runner = decoding_scheduler(num_requests, prompt_len, steps)
+    block_size = scheduler.block_size
+    times: dict[int, list[tuple[float, float, float]]] = {}
+    for _ in range(steps):
+        phase = scheduler.running[0].num_computed_tokens % block_size
+        t0 = time.perf_counter()
+        so = scheduler.schedule()
+        t1 = time.perf_counter()
+        out = runner.execute_model(so)
+        t2 = time.perf_counter()
+        scheduler.update_from_output(so, out)
+        t3 = time.perf_counter()
+        times.setdefault(phase, []).append((t1 - t0, t2 - t1, t3 - t2))
+    print("phase  schedule  runner  update  total (µs, median)")
+    for phase, parts in sorted(times.items()):
+        medians = [statistics.median(p[k] for p in parts) * 1e6 for k in range(3)]
+        cells = "".join(f"{m:8.0f}" for m in medians)
+        print(f"{phase:5d}  {cells}{sum(medians):7.0f}")
 
 
 def main() -> None:
@@ -84,6 +119,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument(
+        "--by-phase", action="store_true", help="also split one run by position in the block"
+    )
     args = parser.parse_args()
     figures = [run(args.num_requests, args.prompt_len, args.steps) for _ in range(args.runs)]
     print(
@@ -91,6 +129,8 @@ def main() -> None:
         f"(median of {args.runs} runs of {args.steps} steps; all: "
         f"{', '.join(f'{f:.0f}' for f in figures)})"
     )
+    if args.by_phase:
+        print_phases(args.num_requests, args.prompt_len, 16 * 40)
 
 
 if __name__ == "__main__":

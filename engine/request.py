@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import sys
 import time
-from collections.abc import Callable
+from typing import Protocol
 
 from corefleet.engine.protocol import EngineCoreRequest, FinishReason, SamplingParams
 
@@ -39,8 +39,13 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_REJECTED: FinishReason.REJECTED,
 }
 
-# (request) -> block hashes of the request's full blocks not hashed yet.
-BlockHasher = Callable[["Request"], list[bytes]]
+
+class BlockHasher(Protocol):
+    """Returns the block hashes of the request's full blocks not hashed yet."""
+
+    block_size: int  # tokens per block: the request calls the hasher only when one fills
+
+    def __call__(self, request: Request, /) -> list[bytes]: ...
 
 
 class Request:
@@ -78,8 +83,21 @@ class Request:
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache (-1: not looked up)
         self.num_preemptions = 0
         self.max_tokens = sampling_params.max_tokens
-        # Output length at which max_tokens stops the request (no limit: never).
-        self.output_limit = sys.maxsize if self.max_tokens is None else self.max_tokens
+        # Token count (prompt + output) at which max_tokens stops the request (none: never).
+        self.length_limit = (
+            sys.maxsize if self.max_tokens is None else self.num_prompt_tokens + self.max_tokens
+        )
+        # Tokens that may stop the request (EOS unless ignore_eos, and the stop token ids): one
+        # set lookup per sampled token instead of two tests.
+        self.stopping_token_ids = (
+            self.stop_token_ids
+            if self.eos_token_id is None
+            else self.stop_token_ids | {self.eos_token_id}
+        )
+        # Token count at which the scheduler's per-token fast path must take the full path: the
+        # first output token (it reports cache hits), a block filling up (it is hashed), a
+        # length limit. The scheduler moves it forward after each full-path token.
+        self.next_check_at = self.num_prompt_tokens + 1
 
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher
@@ -125,10 +143,10 @@ class Request:
 
     def hash_new_blocks(self) -> int:
         """Hash every newly full block; returns the token count that fills the next one."""
-        assert self._block_hasher is not None
-        self.block_hashes.extend(self._block_hasher(self))
-        block_size = getattr(self._block_hasher, "block_size", 1)
-        return (len(self.block_hashes) + 1) * block_size
+        hasher = self._block_hasher
+        assert hasher is not None
+        self.block_hashes += hasher(self)
+        return (len(self.block_hashes) + 1) * hasher.block_size
 
     def __lt__(self, other: Request) -> bool:
         """Priority order: lower ``priority`` first, then earlier arrival."""

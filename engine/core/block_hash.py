@@ -36,30 +36,36 @@ def hash_block_tokens(
 
 
 def make_block_hasher(block_size: int) -> BlockHasher:
-    """Return the callback that extends ``Request.block_hashes`` with newly full blocks.
+    """Return the callback that extends ``Request.block_hashes`` with newly full blocks."""
+    return ChainedBlockHasher(block_size)
 
-    The callback hashes only full blocks not hashed yet, chaining from the last known hash, so
-    calling it after every appended token costs one comparison until a block fills up. The
-    request's ``cache_salt`` goes into the extra keys of the first block only; since every later
-    hash chains from it, a salt separates the whole chain.
+
+class ChainedBlockHasher:
+    """Hashes a request's full blocks not hashed yet, chaining from the last known hash.
+
+    ``Request`` calls it only when its token count reaches the next full block (from
+    ``block_size``). The request's ``cache_salt`` goes into the extra keys of the first block
+    only; since every later hash chains from it, a salt separates the whole chain.
     """
-    if block_size < 1:
-        raise ValueError(f"block_size must be positive, got {block_size}")
 
-    def hasher(request: Request) -> list[BlockHash]:
+    __slots__ = ("block_size",)
+
+    def __init__(self, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+
+    def __call__(self, request: Request) -> list[BlockHash]:
+        block_size = self.block_size
         hashes = request.block_hashes
-        start = len(hashes) * block_size
         tokens = request.all_token_ids
-        if start + block_size > len(tokens):
-            return []  # the hot path: no block completed by the last token
-        parent = hashes[-1] if hashes else None
+        first = len(hashes) * block_size
         new_hashes: list[BlockHash] = []
-        while start + block_size <= len(tokens):
+        if first + block_size > len(tokens):
+            return new_hashes  # no block completed since the last call
+        parent = hashes[-1] if hashes else None
+        for start in range(first, len(tokens) - block_size + 1, block_size):
             extra = (request.cache_salt,) if start == 0 and request.cache_salt else None
             parent = hash_block_tokens(parent, tokens[start : start + block_size], extra)
             new_hashes.append(parent)
-            start += block_size
         return new_hashes
-
-    hasher.block_size = block_size  # type: ignore[attr-defined]  # lets Request skip calls
-    return hasher

@@ -224,12 +224,28 @@ class BlockPool:
             block.ref_cnt = 1
         return blocks
 
+    def get_new_block(self) -> KVCacheBlock | None:
+        """``get_new_blocks(1)`` without the list, or None when no block is free."""
+        queue = self.free_block_queue
+        if not queue.num_free_blocks:
+            return None
+        block = queue.popleft()
+        if block.block_hash is not None:
+            self.cached_block_hash_to_block.pop(block.block_hash, block.block_id)
+            block.block_hash = None
+        block.ref_cnt = 1
+        return block
+
     def cache_full_blocks(self, blocks: list[KVCacheBlock], hashes: list[BlockHash]) -> None:
         """Enter newly full blocks into the prefix cache under their hashes."""
         for block, block_hash in zip(blocks, hashes, strict=True):
-            assert block.block_hash is None, f"{block} is already cached"
-            block.block_hash = block_hash
-            self.cached_block_hash_to_block.insert(block_hash, block)
+            self.cache_full_block(block, block_hash)
+
+    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Enter one newly full block into the prefix cache under its hash."""
+        assert block.block_hash is None, f"{block} is already cached"
+        block.block_hash = block_hash
+        self.cached_block_hash_to_block.insert(block_hash, block)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks, reviving any that sit in the free queue."""

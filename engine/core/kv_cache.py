@@ -169,11 +169,11 @@ class KVCacheManager:
         req_blocks = self.req_to_blocks[req_id]
         new_ids: list[int] = []
         if num_tokens > len(req_blocks) * self.block_size:
-            if not self.block_pool.free_block_queue.num_free_blocks:
+            block = self.block_pool.get_new_block()
+            if block is None:
                 return None
-            block = self.block_pool.get_new_blocks(1)[0]
             req_blocks.append(block)
-            new_ids = [block.block_id]
+            new_ids.append(block.block_id)
         if self.enable_caching and num_tokens // self.block_size > self.num_cached_block[req_id]:
             self._cache_blocks(request, num_tokens)
         return new_ids
@@ -185,6 +185,12 @@ class KVCacheManager:
         # Without a block hasher the request has no hashes and simply never gets cached.
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         if num_full <= num_cached:
+            return
+        if num_full == num_cached + 1:  # one block, as every decode step that fills one
+            self.block_pool.cache_full_block(
+                self.req_to_blocks[req_id][num_cached], request.block_hashes[num_cached]
+            )
+            self.num_cached_block[req_id] = num_full
             return
         self.block_pool.cache_full_blocks(
             self.req_to_blocks[req_id][num_cached:num_full],

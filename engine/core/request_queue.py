@@ -113,3 +113,13 @@ def create_request_queue(policy: str) -> RequestQueue:
     if policy == "priority":
         return PriorityRequestQueue()
     raise ValueError(f"unknown scheduling policy {policy!r}: expected fcfs or priority")
+
+
+def preemption_victim(running: list[Request], policy: str) -> int:
+    """Index in ``running`` (admission order) of the request to preempt next."""
+    if policy == "priority":
+        # Lowest priority (largest value) first, then the latest arrival.
+        return max(
+            range(len(running)), key=lambda i: (running[i].priority, running[i].arrival_time)
+        )
+    return len(running) - 1  # FCFS: the most recently admitted

@@ -26,8 +26,8 @@ from corefleet.engine.core.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
-from corefleet.engine.core.request_queue import create_request_queue
-from corefleet.engine.core.stop import append_tokens, check_stop, make_output
+from corefleet.engine.core.request_queue import create_request_queue, preemption_victim
+from corefleet.engine.core.stop import append_and_check, check_appended_token
 from corefleet.engine.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -39,8 +39,6 @@ _RUNNING = RequestStatus.RUNNING
 # Shared by every request that gets no new block in a step (most decode steps): consumers only
 # read it, and one shared list saves an allocation per request per step.
 _NO_BLOCKS: list[int] = []
-_STOPPED = RequestStatus.FINISHED_STOPPED
-_LENGTH_CAPPED = RequestStatus.FINISHED_LENGTH_CAPPED
 
 
 class Scheduler:
@@ -189,7 +187,7 @@ class Scheduler:
         # Bound methods and locals: this loop runs for every running request every step.
         add_id, add_blocks = scheduled.req_ids.append, scheduled.new_block_ids.append
         add_computed = scheduled.num_computed_tokens.append
-        req_to_blocks, block_size = kv.req_to_blocks, kv.block_size
+        block_size = kv.block_size
         preempted = False
         req_index = 0
         while req_index < len(running) and token_budget > 0:
@@ -198,26 +196,26 @@ class Scheduler:
             computed = request.num_computed_tokens
             num_new = len(request.all_token_ids) - computed
             if num_new == 1 and computed + 1 < max_model_len:
-                # Decode fast path. A token that fits in the blocks the request holds and
-                # completes none needs nothing from the KV manager (15 steps in 16 at block
-                # size 16); one that completes or needs a block takes the manager's lean
-                # single-token path. Only a failed allocation goes on to preemption below.
-                held = req_to_blocks.get(req_id)
-                if held is not None:
-                    position = computed + 1
-                    if position % block_size and position < len(held) * block_size:
-                        new_block_ids: list[int] | None = _NO_BLOCKS
-                    else:
-                        new_block_ids = kv.allocate_decode_slot(request, position)
-                    if new_block_ids is not None:
-                        add_id(req_id)
-                        add_blocks(new_block_ids)
-                        add_computed(computed)
-                        num_scheduled[req_id] = 1
-                        request.num_computed_tokens = position
-                        token_budget -= 1
-                        req_index += 1
-                        continue
+                # Decode fast path. The request's blocks hold a slot for every computed token,
+                # so a token whose position is not 0 or 1 modulo the block size fits in them
+                # and completes no block: it needs nothing from the KV manager (14 steps in 16
+                # at block size 16). Otherwise it completes a block or needs a new one, which
+                # the manager's single-token path does. Only a failed allocation goes on to
+                # preemption below.
+                position = computed + 1
+                if position % block_size > 1:
+                    new_block_ids: list[int] | None = _NO_BLOCKS
+                else:
+                    new_block_ids = kv.allocate_decode_slot(request, position)
+                if new_block_ids is not None:
+                    add_id(req_id)
+                    add_blocks(new_block_ids)
+                    add_computed(computed)
+                    num_scheduled[req_id] = 1
+                    request.num_computed_tokens = position
+                    token_budget -= 1
+                    req_index += 1
+                    continue
             if num_new > token_budget:
                 num_new = token_budget
             if computed + num_new >= max_model_len:
@@ -228,7 +226,7 @@ class Scheduler:
                 continue
             new_blocks = kv.allocate_slots(request, num_new)
             while new_blocks is None:
-                victim_index = self._victim_index()
+                victim_index = preemption_victim(running, self.policy)
                 victim = running.pop(victim_index)
                 if victim_index < req_index:
                     # Only the priority policy picks a victim ahead of the current request.
@@ -295,16 +293,6 @@ class Scheduler:
             token_budget -= num_new
         return admitted
 
-    def _victim_index(self) -> int:
-        """Index in ``running`` of the request to preempt next."""
-        running = self.running
-        if self.policy == "priority":
-            # Lowest priority (largest value) first, then the latest arrival.
-            return max(
-                range(len(running)), key=lambda i: (running[i].priority, running[i].arrival_time)
-            )
-        return len(running) - 1  # FCFS: the most recently admitted
-
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the request's KV cache and queue it at the head."""
         self.kv_cache_manager.free(request)
@@ -331,6 +319,7 @@ class Scheduler:
         requests = self.requests
         all_logprobs = model_runner_output.logprobs
         max_model_len = self.max_model_len
+        plain_decode = not all_logprobs  # one sampled token with nothing else to report
         client_index, client_outputs = -1, []  # the last client's list: usually the only one
         for req_id, generated in zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
@@ -340,32 +329,23 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None:
                 continue  # finished (aborted) while the model ran
-            if len(generated) == 1:  # Request.append_output_token_ids, inlined: the hot loop
+            if plain_decode and len(generated) == 1:
+                # The hot loop: append the token and test, with one comparison and one set
+                # lookup, whether anything else can happen (see Request.next_check_at).
                 token = generated[0]
-                output_ids, all_ids = request.output_token_ids, request.all_token_ids
-                output_ids.append(token)
+                request.output_token_ids.append(token)
+                all_ids = request.all_token_ids
                 all_ids.append(token)
-                if len(all_ids) >= request.next_full_block_at:
-                    request.next_full_block_at = request.hash_new_blocks()
-                new_token_ids, finished = generated, False
-                # Only EOS, a stop token or a length limit can stop it: test those cheaply and
-                # run the full rules (min_tokens, stop reasons) only when one of them holds.
-                if (
-                    token == request.eos_token_id
-                    or token in request.stop_token_ids
-                    or len(output_ids) >= request.output_limit
-                    or len(all_ids) >= max_model_len
+                if len(all_ids) < request.next_check_at and token not in (
+                    request.stopping_token_ids
                 ):
-                    finished = check_stop(request, max_model_len)
+                    output = EngineCoreOutput(req_id, generated)
+                else:
+                    output = check_appended_token(request, generated, max_model_len)
             else:
-                new_token_ids, finished = append_tokens(request, generated, max_model_len)
-
-            if finished or all_logprobs or len(request.output_token_ids) == len(new_token_ids):
-                output = make_output(request, new_token_ids, len(generated), finished, all_logprobs)
-                if finished:
-                    stopped.append(request)
-            else:  # the common decode step: a plain token, nothing else to say
-                output = EngineCoreOutput(req_id, new_token_ids)
+                output = append_and_check(request, generated, all_logprobs, max_model_len)
+            if output.finish_reason is not None:
+                stopped.append(request)
             if request.client_index != client_index:
                 client_index = request.client_index
                 client_outputs = outputs.setdefault(client_index, [])

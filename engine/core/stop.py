@@ -46,6 +46,40 @@ def append_tokens(
     return token_ids, False
 
 
+def check_appended_token(
+    request: Request, token_ids: list[int], max_model_len: int
+) -> EngineCoreOutput:
+    """The full rules for one appended token the scheduler's fast path did not wave through
+    (see ``Request.next_check_at``): hash a filled block, stop, report the first output."""
+    if len(request.all_token_ids) >= request.next_full_block_at:
+        request.next_full_block_at = request.hash_new_blocks()
+    _move_next_check(request, max_model_len)
+    if (
+        token_ids[0] in request.stopping_token_ids
+        or len(request.all_token_ids) >= request.next_check_at
+        or len(request.output_token_ids) == 1
+    ):  # it may stop, or it is the first output (which reports cache hits)
+        finished = check_stop(request, max_model_len)
+        return make_output(request, token_ids, 1, finished, {})
+    return EngineCoreOutput(request.request_id, token_ids)  # only a block filled
+
+
+def append_and_check(
+    request: Request,
+    token_ids: list[int],
+    all_logprobs: dict[str, Logprobs],
+    max_model_len: int,
+) -> EngineCoreOutput:
+    """Several tokens, or tokens with logprobs: append them up to the first stop."""
+    new_token_ids, finished = append_tokens(request, token_ids, max_model_len)
+    _move_next_check(request, max_model_len)
+    return make_output(request, new_token_ids, len(token_ids), finished, all_logprobs)
+
+
+def _move_next_check(request: Request, max_model_len: int) -> None:
+    request.next_check_at = min(request.next_full_block_at, request.length_limit, max_model_len)
+
+
 def make_output(
     request: Request,
     new_token_ids: list[int],

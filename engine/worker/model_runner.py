@@ -185,11 +185,10 @@ class ModelRunner:
                 params,
                 generator,
             )
-        requests = self.batch.requests
         cached = so.scheduled_cached_reqs
-        # Most decode steps give most requests no new block: filter in one comprehension.
-        grown = [(r, b) for r, b in zip(cached.req_ids, cached.new_block_ids, strict=True) if b]
-        if grown:
+        if any(cached.new_block_ids):  # most decode steps give no request a new block
+            requests = self.batch.requests
+            grown = [(r, b) for r, b in zip(cached.req_ids, cached.new_block_ids, strict=True) if b]
             self.batch.append_blocks_to_rows(
                 [requests[r].row for r, _ in grown], [b for _, b in grown]
             )

@@ -432,3 +432,21 @@ def test_decode_slot_without_a_free_block_changes_nothing() -> None:
     assert manager.allocate_decode_slot(request, 33) is None
     assert ids(manager.get_blocks("r")) == held and manager.num_free_blocks == 0
     assert manager.num_cached_block["r"] == 2
+
+
+def test_get_new_block_takes_the_same_block_as_get_new_blocks() -> None:
+    """The single-block path evicts a cached block exactly as the general one does."""
+    pools = [BlockPool(4, enable_caching=True) for _ in range(2)]
+    for pool in pools:  # block 1 cached and freed: it sits at the back of the queue
+        cached = pool.get_new_blocks(1)
+        pool.cache_full_block(cached[0], b"h")
+        pool.free_blocks(cached)
+        pool.get_new_blocks(2)  # blocks 2 and 3: the cached block is next
+    one = pools[0].get_new_block()
+    (general,) = pools[1].get_new_blocks(1)
+    assert one is not None and one.block_id == general.block_id == 1
+    for pool, block in zip(pools, (one, general), strict=True):
+        assert block.ref_cnt == 1 and block.block_hash is None
+        assert pool.get_cached_block(b"h") is None  # evicted on the way out
+    assert pools[0].get_new_block() is None  # nothing free: None, nothing changes
+    assert pools[0].get_num_free_blocks() == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from corefleet.engine.core.block_hash import hash_block_tokens
 from corefleet.engine.protocol import FinishReason
 from corefleet.engine.request import RequestStatus
 from tests.unit.scheduler_helpers import (
@@ -259,18 +260,31 @@ def test_reset_prefix_cache_with_running_requests() -> None:
     assert [r.request_id for r in sched.waiting] == ["a", "b", "c"]
 
 
-def test_decode_across_block_boundaries_allocates_and_caches_each_block() -> None:
+@pytest.mark.parametrize("block_size", [1, 2, 4, 16])
+def test_decode_across_block_boundaries_allocates_and_caches_each_block(block_size: int) -> None:
     """Decode tokens that stay inside a held block skip the KV manager; the token that fills a
-    block and the one that opens the next still go through it."""
-    sched = make_scheduler()
+    block and the one that opens the next still go through it (every token at block sizes 1
+    and 2)."""
+    sched = make_scheduler(block_size=block_size)
     request = make_request(sched, "a", 14, max_tokens=40)
     kv = sched.kv_cache_manager
-    step(sched)  # prefill: 14 tokens in one block
+    step(sched)  # prefill: 14 tokens
     for _ in range(38):  # the 40th token (39th decode step) finishes it
         step(sched)
         held = len(kv.req_to_blocks["a"])
-        assert held == -(-request.num_computed_tokens // 16)  # exactly the blocks it needs
-        assert kv.num_cached_block["a"] == request.num_computed_tokens // 16  # full ones cached
+        assert held == -(-request.num_computed_tokens // block_size)  # just the blocks needed
+        full = request.num_computed_tokens // block_size
+        assert kv.num_cached_block["a"] == full  # full ones cached, under the prefix's hashes
+        assert request.block_hashes == _chained_hashes(request.all_token_ids, block_size)
     step(sched)
     assert request.is_finished
     assert_no_leaks(sched)
+
+
+def _chained_hashes(tokens: list[int], block_size: int) -> list[bytes]:
+    """Every full block's hash, computed from scratch."""
+    hashes: list[bytes] = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block_tokens(parent, tokens[start : start + block_size]))
+    return hashes

@@ -191,3 +191,18 @@ def test_no_leaks_after_mixed_workload_with_preemption() -> None:
         step(sched)
     assert sched.num_preemptions > 0
     assert_no_leaks(sched)
+
+
+@pytest.mark.parametrize("stop_at", [0, 5, 15, 16, 17])
+def test_stop_token_between_block_boundaries_stops_at_once(stop_at: int) -> None:
+    """The per-token fast path lets a stop token through to the full rules wherever it falls
+    relative to a block boundary, and hashes the blocks filled before it."""
+    sched = make_scheduler()
+    req = make_request(sched, "a", 16, stop_token_ids=[9])  # the prompt is one full block
+    tokens = [5] * stop_at + [9, 5, 5]
+    outs = run_one(sched, req, tokens)
+    assert req.output_token_ids == [5] * stop_at + [9]
+    assert (outs[-1].finish_reason, outs[-1].stop_reason) == (FinishReason.STOP, 9)
+    assert len(req.block_hashes) == len(req.all_token_ids) // 16
+    assert [o.num_cached_tokens for o in outs] == [0] * len(outs)
+    assert_no_leaks(sched)
