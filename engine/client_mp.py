@@ -155,6 +155,12 @@ class MPClient:
         else:
             future.set_result(reply.result)
 
+    def _on_socket_error(self, exc: zmq.ZMQError) -> None:
+        """The output socket failed under the reader. When the client is closing (also at
+        Python's exit, where the finalizer closes the sockets) that is the expected end."""
+        if not self.resources.closing:
+            self.mark_dead(f"the engine's output socket failed: {exc}")
+
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine (SIGTERM, then SIGKILL after ``timeout``) and close everything."""
         self.resources.closing = True
@@ -216,6 +222,12 @@ class SyncMPClient(MPClient, EngineCoreClient):
                 raise EngineDeadError(f"cannot reach the engine core: {exc}") from exc
 
     def _read_outputs(self) -> None:
+        try:
+            self._read_until_stopped()
+        except zmq.ZMQError as exc:
+            self._on_socket_error(exc)
+
+    def _read_until_stopped(self) -> None:
         sock = self.output_socket
         last_heard = time.monotonic()
         while not self._stop_reading.is_set() and self.dead is None:
@@ -303,6 +315,12 @@ class AsyncMPClient(MPClient, AsyncEngineCoreClient):
             raise EngineDeadError(f"cannot reach the engine core: {exc}") from exc
 
     async def _read_outputs(self) -> None:
+        try:
+            await self._read_until_stopped()
+        except zmq.ZMQError as exc:
+            self._on_socket_error(exc)
+
+    async def _read_until_stopped(self) -> None:
         last_heard = time.monotonic()
         assert self._queue is not None
         while self.dead is None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -318,3 +320,54 @@ def test_engine_whose_parent_is_gone_exits_by_itself(tiny: Path) -> None:
     with bare_engine(tiny, "--parent-pid", "1", "--health-port", "0") as engine:
         engine.serve_handshake()
         assert engine.process.wait(timeout=10) == 0
+
+
+@pytest.mark.parametrize("client", ["sync", "async"])
+def test_a_script_that_never_calls_shutdown_exits_cleanly(
+    tiny: Path, tmp_path: Path, client: str
+) -> None:
+    """Python's exit closes the client's sockets under its reader: no traceback, no engine
+    left behind."""
+    pid_file = tmp_path / "engine.pid"
+    use = {
+        "sync": "llm = LLM(model, max_model_len=128, num_blocks_override=64)\n"
+        "outs = llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(max_tokens=3))\n"
+        "print(outs[0].outputs[0].token_ids)\n"
+        "pid = llm.engine_client.engine_pid\n",
+        "async": "from corefleet.engine.client import MPClientOptions\n"
+        "from corefleet.engine.client_mp import AsyncMPClient\n"
+        "from tests.engine_proc_support import tiny_config\n"
+        "import asyncio, pathlib\n"
+        "c = AsyncMPClient(tiny_config(pathlib.Path(model)), MPClientOptions())\n"
+        "async def main():\n"
+        "    print(await c.call_utility_async('get_num_unfinished_requests'))\n"
+        "asyncio.run(main())\n"
+        "pid = c.engine_pid\n",
+    }[client]
+    script = (
+        "import sys\n"
+        "from corefleet.engine import LLM, SamplingParams\n"
+        f"model = {str(tiny)!r}\n" + use + f"open({str(pid_file)!r}, 'w').write(str(pid))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "Exception" not in done.stderr, done.stderr
+    engine_pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(engine_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(engine_pid), "the engine outlived the script"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
