@@ -45,9 +45,10 @@ def decode_attention(
 
 
 # Row counts up to which the C++ small-batch linear beats torch's GEMM on weights streamed from
-# memory (measured on the project's 2-core AVX-512 machine: float32 27 vs 11 GB/s at one row,
-# 18 vs 10 at eight; bfloat16 19 vs 15 at one row, even at eight).
-_SMALL_LINEAR_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
+# memory (measured on the project's 2-core AVX-512 machine with every layer's weights cold, as
+# in a decode step: float32 27 vs 11 GB/s at one row, 1.2-1.9x MKL's GFLOP/s at 16-64 rows,
+# even around 96; bfloat16 ahead up to ~4-8 rows, then oneDNN's bf16 dot products win).
+_SMALL_LINEAR_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 4}
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what the fused layer ops are built for
 
 

@@ -16,7 +16,7 @@ TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 31, 64])  # every x-row remainder
 @pytest.mark.parametrize("out_features", [1, 7, 8, 13, 960])  # full and partial 8-row tiles
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_torch_linear(
@@ -39,7 +39,7 @@ def test_matches_torch_linear(
 
 def test_result_does_not_depend_on_thread_count() -> None:
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 1536, generator=gen)  # [M, K]
+    x = torch.randn(37, 1536, generator=gen)  # [M, K]: three-row passes and a remainder
     weight = torch.randn(4099, 1536, generator=gen)  # [N, K]: uneven bands
     before = torch.get_num_threads()
     try:
@@ -55,7 +55,7 @@ def test_result_does_not_depend_on_thread_count() -> None:
 @pytest.mark.parametrize(
     ("x", "weight", "message"),
     [
-        (torch.randn(9, 32), torch.randn(4, 32), "at most 8 rows"),
+        (torch.randn(65, 32), torch.randn(4, 32), "at most 64 rows"),
         (torch.randn(2, 32), torch.randn(4, 48), "disagree on K"),
         (torch.randn(2, 32), torch.randn(4, 32).bfloat16(), "share a dtype"),
         (torch.randn(2, 32).double(), torch.randn(4, 32).double(), "float32 and bfloat16"),
@@ -68,7 +68,7 @@ def test_rejects_bad_arguments(x: torch.Tensor, weight: torch.Tensor, message: s
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 4, 9, 64])
+@pytest.mark.parametrize("rows", [1, 4, 9, 64, 65])
 def test_backend_linear_any_batch(dtype: torch.dtype, rows: int) -> None:
     """The backend's dispatch (C++ for a few rows, torch above) gives torch's answer."""
     backend = cpu_attention.CpuPagedAttentionBackend()
