@@ -4,7 +4,9 @@ Workload: 64 prompts of 64-512 random tokens, 64-256 output tokens each, ignore_
 fixed seed. The measured runs alternate between the two engines. Prints output tokens/s for
 both sides, their ratio (of the medians, and per run pair), the model FLOPs utilisation
 against a GEMM peak measured now (torch matmuls of the model's own shapes), and single-stream
-decode tokens/s against the memory-bandwidth bound.
+decode tokens/s against the memory-bandwidth bound. The machine ceilings are measured next to
+the runs they divide (GEMM peak per run pair, bandwidth before each single-stream run), since
+this machine's speed drifts.
 
     python benchmarks/offline_throughput.py --dtype float32
     python benchmarks/offline_throughput.py --dtype bfloat16 --runs 3
@@ -18,6 +20,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -91,13 +94,23 @@ def bench_corefleet(
     return rates
 
 
-def single_stream(generate_fn, new_tokens: int, runs: int) -> float:  # type: ignore[no-untyped-def]
-    rates = []
+def single_stream(generate_fn: Callable[[], object], new_tokens: int) -> float:
+    t0 = time.perf_counter()
+    generate_fn()
+    return new_tokens / (time.perf_counter() - t0)
+
+
+def single_stream_vs_bandwidth(
+    generate_fn: Callable[[], object], new_tokens: int, weight_bytes: int, runs: int
+) -> tuple[list[float], list[float]]:
+    """Single-stream decode tok/s and its fraction of the bandwidth bound, per run; each run
+    measures the bandwidth just before it (the bound moves with the machine's speed)."""
+    rates, fractions = [], []
     for _ in range(runs):
-        t0 = time.perf_counter()
-        generate_fn()
-        rates.append(new_tokens / (time.perf_counter() - t0))
-    return statistics.median(rates)
+        bound = memory_bandwidth() / weight_bytes
+        rates.append(single_stream(generate_fn, new_tokens))
+        fractions.append(rates[-1] / bound)
+    return rates, fractions
 
 
 def main() -> None:
@@ -148,14 +161,18 @@ def main() -> None:
         n = args.hf_batch1_prompts if bs == 1 else len(prompts)
         hf_rates[bs], _ = hf_throughput(model, prompts[:n], output_lens[:n], bs, pad_id)
         print(f"  HF batch {bs}: {hf_rates[bs]:.1f} tok/s", flush=True)
+    # The GEMM peak is measured next to each run pair too, and MFU is taken per run.
+    peak_shapes = model_gemm_shapes(arch, 512) + model_gemm_shapes(arch, 64)
     cf_rates: list[float] = []
     hf_runs: list[float] = []
+    peaks: list[float] = []
     for run in range(args.runs):
         cf_rates += bench_corefleet(llm, prompts, output_lens, runs=1)
+        peaks.append(gemm_peak_flops(peak_shapes, dtype))
         hf_runs.append(hf_throughput(model, prompts, output_lens, batch_sizes[-1], pad_id)[0])
         print(
             f"  run {run + 1}: corefleet {cf_rates[-1]:.1f}, HF batch "
-            f"{batch_sizes[-1]} {hf_runs[-1]:.1f} tok/s",
+            f"{batch_sizes[-1]} {hf_runs[-1]:.1f} tok/s, GEMM peak {peaks[-1] / 1e9:.1f} GFLOP/s",
             flush=True,
         )
     hf_rates[batch_sizes[-1]] = statistics.median(hf_runs)
@@ -163,30 +180,34 @@ def main() -> None:
     hf_best_bs = max(hf_rates, key=lambda b: hf_rates[b])
     hf_rate = hf_rates[hf_best_bs]
     pair_ratios = [c / h for c, h in zip(cf_rates, hf_runs, strict=True)]
+    flops_per_token = workload_flops(arch, prompts, output_lens) / sum(output_lens)
+    cf_mfus = [flops_per_token * r / p for r, p in zip(cf_rates, peaks, strict=True)]
+    peak = statistics.median(peaks)
+    hf_mfu = flops_per_token * hf_rate / peak
 
-    decode_prompt = {"prompt_token_ids": prompts[0][:32]}
-    decode_params = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True, temperature=0)
-    cf_decode = single_stream(
-        lambda: llm.generate(decode_prompt, decode_params, use_tqdm=False),
-        args.decode_tokens,
-        runs=3,
-    )
-    llm.shutdown()
-    hf_decode = single_stream(
-        lambda: hf_generate_batch(model, [prompts[0][:32]], args.decode_tokens, pad_id),
-        args.decode_tokens,
-        runs=3,
-    )
-
-    # -- machine ceilings ---------------------------------------------------------------------
-    peak = gemm_peak_flops(model_gemm_shapes(arch, 512) + model_gemm_shapes(arch, 64), dtype)
-    bandwidth = memory_bandwidth()
-    flops = workload_flops(arch, prompts, output_lens)
-    total_out = sum(output_lens)
+    # Single stream against the bandwidth bound, the bandwidth measured just before each run.
     weight_bytes = (linear_params(arch) + arch.hidden_size * arch.vocab_size) * torch.tensor(
         [], dtype=dtype
     ).element_size()
-    decode_bound = bandwidth / weight_bytes
+    decode_prompt = {"prompt_token_ids": prompts[0][:32]}
+    decode_params = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True, temperature=0)
+    cf_decodes, cf_fracs = single_stream_vs_bandwidth(
+        lambda: llm.generate(decode_prompt, decode_params, use_tqdm=False),
+        args.decode_tokens,
+        weight_bytes,
+        runs=3,
+    )
+    llm.shutdown()
+    hf_decodes, hf_fracs = single_stream_vs_bandwidth(
+        lambda: hf_generate_batch(model, [prompts[0][:32]], args.decode_tokens, pad_id),
+        args.decode_tokens,
+        weight_bytes,
+        runs=3,
+    )
+    bounds = [r / f for r, f in zip(cf_decodes + hf_decodes, cf_fracs + hf_fracs, strict=True)]
+    decode_bound = statistics.median(bounds)
+    cf_decode, hf_decode = statistics.median(cf_decodes), statistics.median(hf_decodes)
+    cf_frac, hf_frac = statistics.median(cf_fracs), statistics.median(hf_fracs)
 
     results.update(
         corefleet_tok_s=cf_rate,
@@ -197,19 +218,19 @@ def main() -> None:
         hf_runs=hf_runs,
         ratio=cf_rate / hf_rate,
         pair_ratios=pair_ratios,
-        gemm_peak_gflops=peak / 1e9,
-        corefleet_mfu=flops * cf_rate / total_out / peak,
-        hf_mfu=flops * hf_rate / total_out / peak,
-        bandwidth_gb_s=bandwidth / 1e9,
-        decode_bound_tok_s=decode_bound,
-        corefleet_decode_tok_s=cf_decode,
-        hf_decode_tok_s=hf_decode,
-        corefleet_decode_frac=cf_decode / decode_bound,
-        hf_decode_frac=hf_decode / decode_bound,
+        gemm_peak_gflops=[p / 1e9 for p in peaks],
+        corefleet_mfu=statistics.median(cf_mfus),
+        corefleet_mfu_runs=cf_mfus,
+        hf_mfu=hf_mfu,
+        decode_bound_tok_s=bounds,
+        corefleet_decode_tok_s=cf_decodes,
+        hf_decode_tok_s=hf_decodes,
+        corefleet_decode_frac=cf_fracs,
+        hf_decode_frac=hf_fracs,
     )
     print(
-        f"\nSmolLM2-135M {args.dtype}, {args.num_prompts} prompts, {total_out} output tokens, "
-        f"{torch.get_num_threads()} threads"
+        f"\nSmolLM2-135M {args.dtype}, {args.num_prompts} prompts, {sum(output_lens)} output "
+        f"tokens, {torch.get_num_threads()} threads"
     )
     print(f"{'':24}{'corefleet':>12}{'HF':>12}")
     print(
@@ -221,14 +242,19 @@ def main() -> None:
         f"   ({', '.join(f'{r:.2f}' for r in pair_ratios)})"
     )
     print(
-        f"{'MFU vs GEMM peak':24}{results['corefleet_mfu']:12.1%}{results['hf_mfu']:12.1%}"
-        f"   (peak {peak / 1e9:.1f} GFLOP/s)"
+        f"{'MFU vs GEMM peak':24}{statistics.median(cf_mfus):12.1%}{hf_mfu:12.1%}"
+        f"   (per run {', '.join(f'{m:.1%}' for m in cf_mfus)}; peak median "
+        f"{peak / 1e9:.1f} GFLOP/s)"
     )
     print(
         f"{'decode tok/s (1 stream)':24}{cf_decode:12.1f}{hf_decode:12.1f}   "
-        f"(bound {decode_bound:.1f} tok/s at {bandwidth / 1e9:.1f} GB/s)"
+        f"(bound median {decode_bound:.1f} tok/s, "
+        f"{decode_bound * weight_bytes / 1e9:.1f} GB/s)"
     )
-    print(f"{'decode / bound':24}{cf_decode / decode_bound:12.1%}{hf_decode / decode_bound:12.1%}")
+    print(
+        f"{'decode / bound':24}{cf_frac:12.1%}{hf_frac:12.1%}"
+        f"   (per run {', '.join(f'{f:.1%}' for f in cf_fracs)})"
+    )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

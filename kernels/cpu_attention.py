@@ -46,9 +46,9 @@ def decode_attention(
 
 # Row counts up to which the C++ small-batch linear beats torch's GEMM on weights streamed from
 # memory (measured on the project's 2-core AVX-512 machine with every layer's weights cold, as
-# in a decode step: float32 27 vs 11 GB/s at one row, 1.2-1.9x MKL's GFLOP/s at 16-64 rows,
-# even around 96; bfloat16 ahead up to ~4-8 rows, then oneDNN's bf16 dot products win).
-_SMALL_LINEAR_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 4}
+# in a decode step: float32 2.4x torch's rate at one row, 1.2-1.9x at 16-64 rows; bfloat16
+# 2.2x at one row, 1.5x at 8, even at 16, then oneDNN's bf16 dot products win).
+_SMALL_LINEAR_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 16}
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what the fused layer ops are built for
 
 

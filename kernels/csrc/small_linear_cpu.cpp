@@ -10,12 +10,16 @@
 // (the model's weights do not fit the caches) for a few rows of arithmetic. MKL's GEMV reaches
 // ~11 GB/s on the project's 2-core machine where a plain read of the same bytes runs at
 // ~30 GB/s, and MKL's float32 GEMM with cold weights stays at 40-120 GFLOP/s for 8-64 rows
-// against ~185 at 2048 rows. Here each thread streams its own contiguous band of weight rows,
-// eight rows at a time (eight sequential streams the hardware prefetcher follows; four gave
-// ~20 % less), and computes those rows' dot products with every x row while they sit in L1,
-// three x rows per pass. Measured with cold weights (SmolLM2's shapes, float32): 1.2-1.9x
-// MKL's rate at 16-64 rows. In bfloat16 oneDNN's native dot products win beyond a few rows,
-// so the Python dispatch sends only float32 batches up to 64 rows here.
+// against ~185 at 2048 rows. Here each thread takes a contiguous band of weight rows. With up
+// to 16 x rows (memory-bound) it cuts the band into eight sub-bands and walks them side by
+// side: a tile is one row from each sub-band, so the thread reads eight long sequential
+// streams that the hardware prefetcher follows from start to end. (Tiles of eight adjacent
+// rows make every stream one row long, a few cache lines, which the prefetcher has barely
+// picked up before it ends: one x row in bfloat16 read 19 GB/s that way and reads 31 GB/s side
+// by side, the speed of a plain read.) With more x rows (compute-bound) a tile is eight
+// adjacent rows. Each tile's dot products with every x row are computed while its rows sit in
+// L1, three x rows per pass. Measured with cold weights (SmolLM2's shapes): float32 1.2-1.9x
+// MKL's rate at 16-64 rows, bfloat16 1.5-2.2x oneDNN's at 1-8 rows.
 //
 // Numerics: float32 accumulation in both dtypes (bfloat16 weights are widened exactly), and
 // the partial sums are combined in a fixed order, so results do not depend on the thread count.
@@ -39,6 +43,7 @@ namespace {
 
 constexpr int64_t kMaxRows = 64;    // x rows this op accepts; larger batches are GEMMs
 constexpr int64_t kRowsPerTile = 8;  // weight rows streamed together
+constexpr int64_t kMaxRowsSideBySide = 16;  // x rows up to which a tile takes rows from sub-bands
 constexpr int64_t kLanes = 16;       // floats per partial-sum vector
 
 inline float widen(float v) { return v; }
@@ -48,12 +53,13 @@ inline void store(float value, float* out) { *out = value; }
 inline void store(float value, c10::BFloat16* out) { *out = c10::BFloat16(value); }
 
 #if defined(__AVX512F__)
-// dots[r * MM + j] = <w[r], x[j]> for R weight rows and MM float32 x rows; k % 16 == 0.
+// dots[r * MM + j] = <w[r * row_step], x[j]> for R weight rows row_step elements apart and MM
+// float32 x rows; k % 16 == 0.
 // R and MM are template parameters so the R * MM accumulators live in registers (with a
 // runtime count GCC keeps them in memory and every FMA waits on a store); each weight vector
 // is loaded and widened once and used for all MM x rows.
 template <typename T, int R, int MM>
-inline void tile_dots(const T* w, int64_t k, const float* x, float* dots) {
+inline void tile_dots(const T* w, int64_t row_step, int64_t k, const float* x, float* dots) {
   __m512 acc[R][MM];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -70,7 +76,7 @@ inline void tile_dots(const T* w, int64_t k, const float* x, float* dots) {
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512 wv = load16(w + r * k + i);
+      const __m512 wv = load16(w + r * row_step + i);
 #pragma GCC unroll 4
       for (int j = 0; j < MM; ++j) {
         acc[r][j] = _mm512_fmadd_ps(wv, xv[j], acc[r][j]);
@@ -88,9 +94,9 @@ inline void tile_dots(const T* w, int64_t k, const float* x, float* dots) {
 #else
 // Portable version: fixed-width independent partial sums, which GCC vectorises at -O3.
 template <typename T, int R, int MM>
-inline void tile_dots(const T* w, int64_t k, const float* x_rows, float* dots) {
+inline void tile_dots(const T* w, int64_t row_step, int64_t k, const float* x_rows, float* dots) {
   for (int64_t q = 0; q < R * MM; ++q) {
-    const T* row = w + (q / MM) * k;
+    const T* row = w + (q / MM) * row_step;
     const float* x = x_rows + (q % MM) * k;
     float partial[kLanes] = {};
     int64_t i = 0;
@@ -111,16 +117,17 @@ inline void tile_dots(const T* w, int64_t k, const float* x_rows, float* dots) {
 }
 #endif
 
-// One tile: R weight rows starting at row0 against x rows [m0, m0 + MM), written to out.
+// One tile: R weight rows row0, row0 + step, ... against x rows [m0, m0 + MM), written to out.
 template <typename T, int R, int MM>
-inline void tile(const T* w, const T* bias, const float* xf, int64_t row0, int64_t m0, int64_t k,
-                 int64_t n, T* out) {
+inline void tile(const T* w, const T* bias, const float* xf, int64_t row0, int64_t step,
+                 int64_t m0, int64_t k, int64_t n, T* out) {
   float dots[R * MM];
-  tile_dots<T, R, MM>(w + row0 * k, k, xf + m0 * k, dots);
+  tile_dots<T, R, MM>(w + row0 * k, step * k, k, xf + m0 * k, dots);
   for (int r = 0; r < R; ++r) {
-    const float bias_r = bias != nullptr ? widen(bias[row0 + r]) : 0.f;
+    const int64_t row = row0 + r * step;
+    const float bias_r = bias != nullptr ? widen(bias[row]) : 0.f;
     for (int j = 0; j < MM; ++j) {
-      store(dots[r * MM + j] + bias_r, out + (m0 + j) * n + row0 + r);
+      store(dots[r * MM + j] + bias_r, out + (m0 + j) * n + row);
     }
   }
 }
@@ -129,12 +136,40 @@ inline void tile(const T* w, const T* bias, const float* xf, int64_t row0, int64
 // weight vectors fit in the 32 AVX-512 registers at R = 8 (four x rows would spill). Three
 // rather than two loads fewer x vectors per FMA: +10-20 % at 32-64 rows.
 template <typename T, int R>
-inline void tile_all_rows(const T* w, const T* bias, const float* xf, int64_t row0, int64_t m,
-                          int64_t k, int64_t n, T* out) {
+inline void tile_all_rows(const T* w, const T* bias, const float* xf, int64_t row0, int64_t step,
+                          int64_t m, int64_t k, int64_t n, T* out) {
   int64_t m0 = 0;
-  for (; m0 + 3 <= m; m0 += 3) tile<T, R, 3>(w, bias, xf, row0, m0, k, n, out);
-  for (; m0 + 2 <= m; m0 += 2) tile<T, R, 2>(w, bias, xf, row0, m0, k, n, out);
-  if (m0 < m) tile<T, R, 1>(w, bias, xf, row0, m0, k, n, out);
+  for (; m0 + 3 <= m; m0 += 3) tile<T, R, 3>(w, bias, xf, row0, step, m0, k, n, out);
+  for (; m0 + 2 <= m; m0 += 2) tile<T, R, 2>(w, bias, xf, row0, step, m0, k, n, out);
+  if (m0 < m) tile<T, R, 1>(w, bias, xf, row0, step, m0, k, n, out);
+}
+
+// One thread's band of weight rows [r0, r1). With few x rows, kRowsPerTile sub-bands of
+// `step` rows walked side by side; with more, tiles of adjacent rows: a tile's rows are then
+// reused by several passes over x from L1, and rows `step` apart often map to the same L1 sets
+// (step * K * sizeof(T) a multiple of 4 KiB) and evict each other (5-7 % slower at 32-64
+// rows). The fewer than kRowsPerTile rows left over form one tile of adjacent rows.
+template <typename T>
+void band(const T* w, const T* bias, const float* xf, int64_t r0, int64_t r1, int64_t m,
+          int64_t k, int64_t n, T* out) {
+  const int64_t tiles = (r1 - r0) / kRowsPerTile;
+  const bool side_by_side = m <= kMaxRowsSideBySide;
+  const int64_t step = side_by_side ? tiles : 1;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t row0 = side_by_side ? r0 + t : r0 + t * kRowsPerTile;
+    tile_all_rows<T, kRowsPerTile>(w, bias, xf, row0, step, m, k, n, out);
+  }
+  const int64_t rest = r0 + tiles * kRowsPerTile;
+  switch (r1 - rest) {
+    case 7: tile_all_rows<T, 7>(w, bias, xf, rest, 1, m, k, n, out); break;
+    case 6: tile_all_rows<T, 6>(w, bias, xf, rest, 1, m, k, n, out); break;
+    case 5: tile_all_rows<T, 5>(w, bias, xf, rest, 1, m, k, n, out); break;
+    case 4: tile_all_rows<T, 4>(w, bias, xf, rest, 1, m, k, n, out); break;
+    case 3: tile_all_rows<T, 3>(w, bias, xf, rest, 1, m, k, n, out); break;
+    case 2: tile_all_rows<T, 2>(w, bias, xf, rest, 1, m, k, n, out); break;
+    case 1: tile_all_rows<T, 1>(w, bias, xf, rest, 1, m, k, n, out); break;
+    default: break;
+  }
 }
 
 template <typename T>
@@ -155,22 +190,10 @@ void small_linear_kernel(
     xf[i] = widen(xs[i]);
   }
 
-  // Bands of whole tiles; a grain of 64 rows keeps per-task overhead small next to streaming
-  // 64 * K weights, and gives both cores work for the smallest projections.
-  at::parallel_for(0, (n + kRowsPerTile - 1) / kRowsPerTile, 8, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t row0 = t * kRowsPerTile;
-      switch (std::min(kRowsPerTile, n - row0)) {
-        case 8: tile_all_rows<T, 8>(w, b, xf.data(), row0, m, k, n, o); break;
-        case 7: tile_all_rows<T, 7>(w, b, xf.data(), row0, m, k, n, o); break;
-        case 6: tile_all_rows<T, 6>(w, b, xf.data(), row0, m, k, n, o); break;
-        case 5: tile_all_rows<T, 5>(w, b, xf.data(), row0, m, k, n, o); break;
-        case 4: tile_all_rows<T, 4>(w, b, xf.data(), row0, m, k, n, o); break;
-        case 3: tile_all_rows<T, 3>(w, b, xf.data(), row0, m, k, n, o); break;
-        case 2: tile_all_rows<T, 2>(w, b, xf.data(), row0, m, k, n, o); break;
-        default: tile_all_rows<T, 1>(w, b, xf.data(), row0, m, k, n, o); break;
-      }
-    }
+  // One band of rows per thread; a grain of 64 rows keeps per-task overhead small next to
+  // streaming 64 * K weights, and gives both cores work for the smallest projections.
+  at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
+    band<T>(w, b, xf.data(), r0, r1, m, k, n, o);
   });
 }
 

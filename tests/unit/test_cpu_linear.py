@@ -17,7 +17,9 @@ TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2)}
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 31, 64])  # every x-row remainder
-@pytest.mark.parametrize("out_features", [1, 7, 8, 13, 960])  # full and partial 8-row tiles
+# Full and partial 8-row tiles; bands (one per thread, 64 rows or more) that split into eight
+# sub-bands evenly (960) or with rows left over (129, 1003).
+@pytest.mark.parametrize("out_features", [1, 7, 8, 13, 129, 960, 1003])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_torch_linear(
     dtype: torch.dtype, rows: int, out_features: int, with_bias: bool
@@ -37,9 +39,10 @@ def test_matches_torch_linear(
     )
 
 
-def test_result_does_not_depend_on_thread_count() -> None:
+@pytest.mark.parametrize("rows", [5, 37])  # tiles from sub-bands; tiles of adjacent rows
+def test_result_does_not_depend_on_thread_count(rows: int) -> None:
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(37, 1536, generator=gen)  # [M, K]: three-row passes and a remainder
+    x = torch.randn(rows, 1536, generator=gen)  # [M, K]: three-row passes and a remainder
     weight = torch.randn(4099, 1536, generator=gen)  # [N, K]: uneven bands
     before = torch.get_num_threads()
     try:
