@@ -26,7 +26,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include "vec_avx512.h"
+#include "decode_attention_blocks.h"
 
 #include <algorithm>
 #include <cmath>
@@ -38,171 +38,7 @@
 namespace corefleet {
 namespace {
 
-// Lanes of the independent partial sums in dot(). A fixed-width inner loop over independent
-// accumulators is what lets GCC vectorise the reduction at -O3 without -ffast-math (which
-// would also let it reorder the softmax arithmetic).
-constexpr int64_t kLanes = 16;
-
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float partial[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) {
-      partial[j] += a[i + j] * b[i + j];
-    }
-  }
-  float sum = 0.f;
-  for (int64_t j = 0; j < kLanes; ++j) {
-    sum += partial[j];
-  }
-  for (; i < n; ++i) {  // head dims that are not a multiple of kLanes
-    sum += a[i] * b[i];
-  }
-  return sum;
-}
-
-// out[i] += weight * x[i]
-inline void axpy(float* __restrict out, float weight, const float* __restrict x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    out[i] += weight * x[i];
-  }
-}
-
-// A cache row as float32: float32 rows are used in place, bfloat16 rows are widened into
-// `scratch` (exact: bf16 is the top half of an fp32 bit pattern).
-inline const float* as_float(const float* row, float* /*scratch*/, int64_t /*n*/) {
-  return row;
-}
-
-inline const float* as_float(const c10::BFloat16* row, float* __restrict scratch, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t widened = static_cast<uint32_t>(bits[i]) << 16;
-    std::memcpy(&scratch[i], &widened, sizeof(float));
-  }
-  return scratch;
-}
-
-inline void store(float value, float* out) { *out = value; }
-inline void store(float value, c10::BFloat16* out) { *out = c10::BFloat16(value); }
-
-
-#if defined(__AVX512F__)
-// Explicit AVX-512 versions of the two inner loops and of exp. GCC's auto-vectorised loops
-// above leave the horizontal sums and the scalar libm exp on the critical path, which made
-// the kernel compute-bound at ~2x the cost of the memory traffic.
-constexpr int64_t kVec = 16;  // floats per __m512
-
-// s[t] = exp(s[t] - max_score); returns the sum of the new s.
-inline float exp_shift_sum(float* s, int64_t n, float max_score) {
-  const __m512 shift = _mm512_set1_ps(max_score);
-  __m512 sum = _mm512_setzero_ps();
-  int64_t t = 0;
-  for (; t + kVec <= n; t += kVec) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), shift));
-    _mm512_storeu_ps(s + t, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  if (t < n) {  // tail: masked lanes neither load nor store nor add
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - t)) - 1u);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), shift));
-    _mm512_mask_storeu_ps(s + t, m, e);
-    sum = _mm512_mask_add_ps(sum, m, sum, e);
-  }
-  return _mm512_reduce_add_ps(sum);
-}
-
-// scores[g * score_stride] = <q[g], k> for the G queries of a KV head (q: [G, D] floats).
-template <typename scalar_t>
-inline void score_row(
-    const scalar_t* k, const float* q, int64_t group, int64_t head_dim, float* scores,
-    int64_t score_stride) {
-  for (int64_t g = 0; g < group; ++g) {
-    const float* qg = q + g * head_dim;
-    // Two accumulators halve the FMA dependency chain of a 64-wide dot product.
-    __m512 acc0 = _mm512_setzero_ps();
-    __m512 acc1 = _mm512_setzero_ps();
-    int64_t c = 0;
-    for (; c + 2 * kVec <= head_dim; c += 2 * kVec) {
-      acc0 = _mm512_fmadd_ps(load16(qg + c), load16(k + c), acc0);
-      acc1 = _mm512_fmadd_ps(load16(qg + c + kVec), load16(k + c + kVec), acc1);
-    }
-    if (c < head_dim) {
-      acc0 = _mm512_fmadd_ps(load16(qg + c), load16(k + c), acc0);
-    }
-    scores[g * score_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-  }
-}
-
-// acc[g] += p[g * p_stride] * v for the G queries of a KV head (acc: [G, D] floats).
-template <typename scalar_t>
-inline void accumulate_row(
-    const scalar_t* v, const float* p, int64_t p_stride, int64_t group, int64_t head_dim,
-    float* acc) {
-  for (int64_t c = 0; c < head_dim; c += kVec) {
-    const __m512 vc = load16(v + c);
-    for (int64_t g = 0; g < group; ++g) {
-      float* dst = acc + g * head_dim + c;
-      _mm512_storeu_ps(
-          dst, _mm512_fmadd_ps(_mm512_set1_ps(p[g * p_stride]), vc, _mm512_loadu_ps(dst)));
-    }
-  }
-}
-#else
-inline float exp_shift_sum(float* s, int64_t n, float max_score) {
-  float sum = 0.f;
-  for (int64_t t = 0; t < n; ++t) {
-    s[t] = std::exp(s[t] - max_score);
-    sum += s[t];
-  }
-  return sum;
-}
-template <typename scalar_t>
-inline void score_row(
-    const scalar_t* k_row, const float* q, int64_t group, int64_t head_dim, float* scores,
-    int64_t score_stride) {
-  thread_local std::vector<float> widened;  // [D] the row as float32
-  widened.resize(head_dim);
-  const float* k = as_float(k_row, widened.data(), head_dim);
-  for (int64_t g = 0; g < group; ++g) {
-    scores[g * score_stride] = dot(q + g * head_dim, k, head_dim);
-  }
-}
-
-template <typename scalar_t>
-inline void accumulate_row(
-    const scalar_t* v_row, const float* p, int64_t p_stride, int64_t group, int64_t head_dim,
-    float* acc) {
-  thread_local std::vector<float> widened;  // [D] the row as float32
-  widened.resize(head_dim);
-  const float* v = as_float(v_row, widened.data(), head_dim);
-  for (int64_t g = 0; g < group; ++g) {
-    axpy(acc + g * head_dim, p[g * p_stride], v, head_dim);
-  }
-}
-#endif
-
-// Positions a pass prefetches ahead of the one it reads. The cache blocks of a row are
-// scattered, so each block starts with a run of misses the hardware prefetcher only catches
-// up with part-way; prefetching through the block table hides that latency (the kernel was
-// load-latency bound at ~12 GB/s without it).
-constexpr int64_t kPrefetchAhead = 8;
-
-// Prefetch the [Hkv, D] run of position `pos` (if the row has it) into the cache.
-template <typename scalar_t>
-inline void prefetch_position(
-    const scalar_t* cache, const int64_t* row_blocks, int64_t pos, int64_t len,
-    int64_t block_size, int64_t block_stride, int64_t token_stride) {
-  if (pos >= len) {
-    return;
-  }
-  const char* p = reinterpret_cast<const char*>(
-      cache + row_blocks[pos / block_size] * block_stride + (pos % block_size) * token_stride);
-  const int64_t bytes = token_stride * static_cast<int64_t>(sizeof(scalar_t));
-  for (int64_t line = 0; line < bytes; line += 64) {
-    __builtin_prefetch(p + line, 0, 3);
-  }
-}
+using namespace attention;  // the inner loops (decode_attention_blocks.h)
 
 template <typename scalar_t>
 void decode_attention_kernel(
@@ -274,18 +110,22 @@ void decode_attention_kernel(
       }
 
       // Pass 1: logits of every position, block by block, reading only positions < len.
+      // Runs of up to 16 positions: their 16 dot products are summed horizontally together.
       for (int64_t start = 0; start < len; start += block_size) {
         const int64_t block = row_blocks[start / block_size];
         TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
         const int64_t count = std::min(block_size, len - start);
+        if (start + block_size < len) {  // the next block's K for the task's heads
+          prefetch_block(k_data + row_blocks[start / block_size + 1] * block_stride,
+                         std::min(block_size, len - start - block_size), token_stride,
+                         h0 * head_dim, (h1 - h0) * head_dim);
+        }
         const scalar_t* k_block = k_data + block * block_stride;
-        for (int64_t t = 0; t < count; ++t) {
-          prefetch_position(k_data, row_blocks, start + t + kPrefetchAhead, len, block_size,
-                            block_stride, token_stride);
-          const scalar_t* k_pos = k_block + t * token_stride;  // [Hkv, D]
-          for (int64_t h = h0; h < h1; ++h) {
-            score_row(k_pos + h * head_dim, &q[h * group * head_dim], group, head_dim,
-                      &scores[h * group * len + start + t], len);
+        for (int64_t h = h0; h < h1; ++h) {
+          for (int64_t t = 0; t < count; t += 16) {
+            score_positions(k_block + t * token_stride + h * head_dim, token_stride,
+                            std::min<int64_t>(16, count - t), &q[h * group * head_dim], group,
+                            head_dim, &scores[h * group * len + start + t], len);
           }
         }
       }
@@ -300,21 +140,13 @@ void decode_attention_kernel(
         inv_sum[qh] = 1.f / exp_shift_sum(s, len, max_score);
       }
 
-      // Pass 2: probability-weighted sum of V rows.
+      // Pass 2: probability-weighted sum of V rows, one KV head at a time.
       std::fill(acc.begin() + qh0 * head_dim, acc.begin() + qh1 * head_dim, 0.f);
-      for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t block = row_blocks[start / block_size];
-        const int64_t count = std::min(block_size, len - start);
-        const scalar_t* v_block = v_data + block * block_stride;
-        for (int64_t t = 0; t < count; ++t) {
-          prefetch_position(v_data, row_blocks, start + t + kPrefetchAhead, len, block_size,
-                            block_stride, token_stride);
-          const scalar_t* v_pos = v_block + t * token_stride;  // [Hkv, D]
-          for (int64_t h = h0; h < h1; ++h) {
-            accumulate_row(v_pos + h * head_dim, &scores[h * group * len + start + t], len, group,
-                           head_dim, &acc[h * group * head_dim]);
-          }
-        }
+      const RowCache<scalar_t> v_row{v_data, row_blocks, len, block_size, block_stride,
+                                     token_stride};
+      for (int64_t h = h0; h < h1; ++h) {
+        accumulate_head(v_row, h, &scores[h * group * len], len, group, head_dim,
+                        &acc[h * group * head_dim]);
       }
 
       for (int64_t qh = qh0; qh < qh1; ++qh) {

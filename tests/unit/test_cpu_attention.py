@@ -62,8 +62,10 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dty
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
-@pytest.mark.parametrize("num_kv_heads,group", [(4, 1), (3, 3), (2, 4)])
-@pytest.mark.parametrize("block_size", [16, 32])
+# Query groups of 1-4 fit one register tile in pass 2; 5 takes a tile of 4 and one of 1.
+@pytest.mark.parametrize("num_kv_heads,group", [(4, 1), (3, 3), (2, 4), (1, 5)])
+# Blocks shorter than, equal to and twice the 16-position runs of pass 1.
+@pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_decode_matches_reference(
     dtype: torch.dtype, head_dim: int, num_kv_heads: int, group: int, block_size: int
 ) -> None:
@@ -77,6 +79,18 @@ def test_decode_matches_reference(
     expected = reference._decode_attention(query, k_cache, v_cache, table, mask, scale)
     actual = cpu_attention.decode_attention(
         query, k_cache, v_cache, table, torch.tensor(lens), scale
+    )
+    _assert_close(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [7, 16, 300])
+def test_single_row_matches_reference(dtype: torch.dtype, length: int) -> None:
+    """One row (single-stream decode): its KV heads are split across the threads."""
+    query, k_cache, v_cache, table, mask = _paged_batch([length], 16, 3, 3, 64, dtype, seed=1)
+    expected = reference._decode_attention(query, k_cache, v_cache, table, mask, 0.125)
+    actual = cpu_attention.decode_attention(
+        query, k_cache, v_cache, table, torch.tensor([length]), 0.125
     )
     _assert_close(actual, expected, dtype)
 
