@@ -46,9 +46,9 @@ def decode_attention(
 
 # Row counts up to which the C++ small-batch linear beats torch's GEMM on weights streamed from
 # memory (measured on the project's 2-core AVX-512 machine with every layer's weights cold, as
-# in a decode step: float32 2.4x torch's rate at one row, 1.2-1.9x at 16-64 rows; bfloat16
-# 2.2x at one row, 1.5x at 8, even at 16, then oneDNN's bf16 dot products win).
-_SMALL_LINEAR_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 16}
+# in a decode step: float32 2.4x torch's rate at one row, 1.2-1.9x at 16-64 rows; bfloat16,
+# with AVX512-BF16 dot products, 2.2x at one row, 1.3-1.5x at 16-32, about even at 64).
+_SMALL_LINEAR_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 64}
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what the fused layer ops are built for
 
 
@@ -129,8 +129,12 @@ class CpuPagedAttentionBackend:
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         slot_mapping: torch.Tensor,  # [T] int64
     ) -> None:
-        """Store the new tokens' K/V (the reference's index_copy is already a memcpy)."""
-        reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        """Store the new tokens' K/V at their slots: one memcpy per token and tensor in C++
+        (torch's index_copy_ costs ~14 us a call for one decode token, twice per layer)."""
+        if key.dtype != k_cache.dtype or key.stride(-1) != 1 or key.stride(-2) != key.shape[-1]:
+            reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+            return
+        self._ops.write_kv_cache_(key, value, k_cache, v_cache, slot_mapping)
 
     def paged_attention(
         self,
@@ -143,9 +147,15 @@ class CpuPagedAttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
         """Causal attention of every new token; same contract as ``reference.paged_attention``."""
-        out = torch.empty_like(query)  # [T, Hq, D]
         nd = meta.num_decodes
-        if nd and query.shape[2] % 16 == 0:  # the kernel's AVX-512 path needs D % 16 == 0
+        decode_kernel_fits = query.shape[2] % 16 == 0  # its AVX-512 path needs D % 16 == 0
+        if nd == query.shape[0] and decode_kernel_fits:  # decode only: the kernel's output
+            assert meta.decode_block_table is not None and meta.decode_context_lens is not None
+            return decode_attention(
+                query, k_cache, v_cache, meta.decode_block_table, meta.decode_context_lens, scale
+            )
+        out = torch.empty_like(query)  # [T, Hq, D]
+        if nd and decode_kernel_fits:
             assert meta.decode_block_table is not None and meta.decode_context_lens is not None
             out[:nd] = decode_attention(
                 query[:nd],

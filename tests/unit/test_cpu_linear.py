@@ -39,11 +39,12 @@ def test_matches_torch_linear(
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [5, 37])  # tiles from sub-bands; tiles of adjacent rows
-def test_result_does_not_depend_on_thread_count(rows: int) -> None:
+def test_result_does_not_depend_on_thread_count(dtype: torch.dtype, rows: int) -> None:
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, 1536, generator=gen)  # [M, K]: three-row passes and a remainder
-    weight = torch.randn(4099, 1536, generator=gen)  # [N, K]: uneven bands
+    x = torch.randn(rows, 1536, generator=gen).to(dtype)  # [M, K]: 3-row passes, a remainder
+    weight = torch.randn(4099, 1536, generator=gen).to(dtype)  # [N, K]: uneven bands
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -53,6 +54,19 @@ def test_result_does_not_depend_on_thread_count(rows: int) -> None:
     finally:
         torch.set_num_threads(before)
     assert torch.equal(single, multi)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 37])
+def test_bfloat16_with_k_not_a_multiple_of_32(rows: int) -> None:
+    """K = 48: bfloat16 pairs (K % 32 == 0) do not fit, the weights are widened instead."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 48, generator=gen).bfloat16()  # [M, K]
+    weight = torch.randn(129, 48, generator=gen).bfloat16()  # [N, K]
+    expected = torch.nn.functional.linear(x.float(), weight.float()).bfloat16().float()
+    rtol, atol = TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(
+        OPS.small_linear(x, weight, None).float(), expected, rtol=rtol, atol=atol * 8
+    )
 
 
 @pytest.mark.parametrize(
