@@ -102,31 +102,6 @@ inline float exp_shift_sum(float* s, int64_t n, float max_score) {
   return _mm512_reduce_add_ps(sum);
 }
 
-// Lane i of the result is the sum of the 16 lanes of x[i]: sixteen horizontal sums for the
-// price of about four. Pairs of inputs are interleaved and added level by level, so the vector
-// count halves while each vector holds partial sums of twice as many inputs.
-inline __m512 transpose_sum16(const __m512 (&x)[16]) {
-  __m512 pairs[8];  // per 128-bit lane: [a02, b02, a13, b13] for inputs a = 2i, b = 2i + 1
-  for (int i = 0; i < 8; ++i) {
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]),
-                             _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
-  }
-  __m512 quads[4];  // per 128-bit lane j: lane j's sums of inputs 4m .. 4m + 3
-  for (int m = 0; m < 4; ++m) {
-    const __m512d a = _mm512_castps_pd(pairs[2 * m]);
-    const __m512d b = _mm512_castps_pd(pairs[2 * m + 1]);
-    quads[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  // Across the four 128-bit lanes: [L0 + L1, L2 + L3] of two vectors, then the two halves.
-  const __m512 q01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
-                                   _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
-  const __m512 q23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
-                                   _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(q01, q23, 0x88),
-                       _mm512_shuffle_f32x4(q01, q23, 0xDD));
-}
-
 // scores[g * score_stride + t] = <q[g], k_t> for `count` <= 16 consecutive positions of a
 // block (k_t = k + t * token_stride, one KV head's D values) and that head's G queries
 // (q: [G, D] floats). A full run of 16 keeps its 16 partial sums in registers and sums them

@@ -63,12 +63,12 @@ inline void store(float value, c10::BFloat16* out) { *out = c10::BFloat16(value)
 // is loaded and widened once and used for all MM x rows.
 template <typename T, int R, int MM>
 inline void tile_dots(const T* w, int64_t row_step, int64_t k, const float* x, float* dots) {
-  __m512 acc[R][MM];
+  __m512 acc[R * MM];  // [r * MM + j], the order of dots
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
     for (int j = 0; j < MM; ++j) {
-      acc[r][j] = _mm512_setzero_ps();
+      acc[r * MM + j] = _mm512_setzero_ps();
     }
   }
   for (int64_t i = 0; i < k; i += kLanes) {
@@ -82,18 +82,13 @@ inline void tile_dots(const T* w, int64_t row_step, int64_t k, const float* x, f
       const __m512 wv = load16(w + r * row_step + i);
 #pragma GCC unroll 4
       for (int j = 0; j < MM; ++j) {
-        acc[r][j] = _mm512_fmadd_ps(wv, xv[j], acc[r][j]);
+        acc[r * MM + j] = _mm512_fmadd_ps(wv, xv[j], acc[r * MM + j]);
       }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int j = 0; j < MM; ++j) {
-      dots[r * MM + j] = _mm512_reduce_add_ps(acc[r][j]);
-    }
-  }
+  reduce_each(acc, dots);
 }
+
 #if defined(__AVX512BF16__)
 // bfloat16 weights against bfloat16 x rows without widening either: vdpbf16ps multiplies 16
 // pairs of bfloat16 values exactly in float32 and adds both products to a float32 lane, so one
@@ -102,12 +97,12 @@ inline void tile_dots(const T* w, int64_t row_step, int64_t k, const float* x, f
 template <int R, int MM>
 inline void tile_dots_bf16_pairs(const c10::BFloat16* w, int64_t row_step, int64_t k,
                                  const c10::BFloat16* x, float* dots) {
-  __m512 acc[R][MM];
+  __m512 acc[R * MM];  // [r * MM + j], the order of dots
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
     for (int j = 0; j < MM; ++j) {
-      acc[r][j] = _mm512_setzero_ps();
+      acc[r * MM + j] = _mm512_setzero_ps();
     }
   }
   for (int64_t i = 0; i < k; i += 2 * kLanes) {
@@ -121,17 +116,11 @@ inline void tile_dots_bf16_pairs(const c10::BFloat16* w, int64_t row_step, int64
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * row_step + i);
 #pragma GCC unroll 4
       for (int j = 0; j < MM; ++j) {
-        acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv, xv[j]);
+        acc[r * MM + j] = _mm512_dpbf16_ps(acc[r * MM + j], wv, xv[j]);
       }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int j = 0; j < MM; ++j) {
-      dots[r * MM + j] = _mm512_reduce_add_ps(acc[r][j]);
-    }
-  }
+  reduce_each(acc, dots);
 }
 #endif
 #else

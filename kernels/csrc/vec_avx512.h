@@ -1,5 +1,5 @@
 // AVX-512 helpers shared by the C++ CPU ops: 16-lane float32 loads and stores from float32 or
-// bfloat16 memory, and a vectorised exp. Only compiled where the target has AVX-512F.
+// bfloat16 memory, a vectorised exp, and batched horizontal sums. Only compiled where the target has AVX-512F.
 #pragma once
 
 #if defined(__AVX512F__)
@@ -48,6 +48,48 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+
+// Lane i of the result is the sum of the 16 lanes of x[i]: sixteen horizontal sums for the
+// price of about four. Pairs of inputs are interleaved and added level by level, so the vector
+// count halves while each vector holds partial sums of twice as many inputs.
+inline __m512 transpose_sum16(const __m512 (&x)[16]) {
+  __m512 pairs[8];  // per 128-bit lane: [a02, b02, a13, b13] for inputs a = 2i, b = 2i + 1
+  for (int i = 0; i < 8; ++i) {
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]),
+                             _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+  }
+  __m512 quads[4];  // per 128-bit lane j: lane j's sums of inputs 4m .. 4m + 3
+  for (int m = 0; m < 4; ++m) {
+    const __m512d a = _mm512_castps_pd(pairs[2 * m]);
+    const __m512d b = _mm512_castps_pd(pairs[2 * m + 1]);
+    quads[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Across the four 128-bit lanes: [L0 + L1, L2 + L3] of two vectors, then the two halves.
+  const __m512 q01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 q23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                   _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(q01, q23, 0x88),
+                       _mm512_shuffle_f32x4(q01, q23, 0xDD));
+}
+
+// dots[i] = the sum of the 16 lanes of acc[i], for N accumulators, sixteen at a time through
+// transpose_sum16. Every accumulator's lanes are added in the same order whatever N and its
+// place among them, so a result does not depend on how outputs are grouped into tiles.
+template <int N>
+inline void reduce_each(const __m512 (&acc)[N], float* dots) {
+  for (int base = 0; base < N; base += 16) {
+    __m512 group[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      group[i] = base + i < N ? acc[base + i] : _mm512_setzero_ps();
+    }
+    const int count = N - base < 16 ? N - base : 16;
+    _mm512_mask_storeu_ps(dots + base, static_cast<__mmask16>((1u << count) - 1u),
+                          transpose_sum16(group));
+  }
 }
 
 }  // namespace corefleet
