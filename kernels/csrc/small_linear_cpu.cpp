@@ -11,15 +11,16 @@
 // ~11 GB/s on the project's 2-core machine where a plain read of the same bytes runs at
 // ~30 GB/s, and MKL's float32 GEMM with cold weights stays at 40-120 GFLOP/s for 8-64 rows
 // against ~185 at 2048 rows. Here each thread takes a contiguous band of weight rows. With up
-// to 32 x rows it cuts the band into eight sub-bands and walks them side by side: a tile is
+// to 24 x rows it cuts the band into eight sub-bands and walks them side by side: a tile is
 // one row from each sub-band, so the thread reads eight long sequential streams that the
 // hardware prefetcher follows from start to end. (Tiles of eight adjacent rows make every
 // stream one row long, a few cache lines, which the prefetcher has barely picked up before it
 // ends: one x row in bfloat16 read 19 GB/s that way and reads 31 GB/s side by side, the
-// speed of a plain read.) With more x rows a tile is eight adjacent rows. Each tile's dot
-// products with every x row are computed while its rows sit in L1, three x rows per pass.
-// Measured with cold weights (SmolLM2's shapes): float32 1.2-1.9x MKL's rate at 16-64 rows;
-// bfloat16 (vdpbf16ps) 2.2x oneDNN's at one row, 1.4x at 16-32, about even at 64.
+// speed of a plain read.) With more x rows a tile is eight adjacent rows, and each tile
+// prefetches the next while it computes. Each tile's dot products with every x row are
+// computed while its rows sit in L1, three x rows per pass. Measured with cold weights
+// (SmolLM2's shapes): float32 1.3-1.9x MKL's rate at 16-64 rows; bfloat16 (vdpbf16ps) 2.2x
+// oneDNN's at one row, 1.2-1.4x at 16-64.
 //
 // Numerics: float32 accumulation in both dtypes; bfloat16 products are exact in float32
 // (weights widened, or multiplied in pairs by vdpbf16ps where the CPU has AVX512-BF16). Each
@@ -46,7 +47,7 @@ namespace {
 
 constexpr int64_t kMaxRows = 64;    // x rows this op accepts; larger batches are GEMMs
 constexpr int64_t kRowsPerTile = 8;  // weight rows streamed together
-constexpr int64_t kMaxRowsSideBySide = 32;  // x rows up to which a tile takes rows from sub-bands
+constexpr int64_t kMaxRowsSideBySide = 24;  // x rows up to which a tile takes rows from sub-bands
 constexpr int64_t kLanes = 16;       // floats per partial-sum vector
 
 inline float widen(float v) { return v; }
@@ -176,20 +177,52 @@ inline void tile(const T* w, const T* bias, const X* xs, int64_t row0, int64_t s
 // All x rows against R weight rows, three x rows at a time: R * 3 accumulators plus the x and
 // weight vectors fit in the 32 AVX-512 registers at R = 8 (four x rows would spill). Three
 // rather than two loads fewer x vectors per FMA: +10-20 % at 32-64 rows.
+// `next` (or nullptr) is the tile to read after this one, [next_elems] contiguous weights:
+// each pass over x prefetches its share, so the next tile is in cache when it starts instead
+// of stalling its first pass on DRAM (adjacent tiles are short streams the hardware
+// prefetcher picks up late).
 template <typename T, typename X, int R>
 inline void tile_all_rows(const T* w, const T* bias, const X* xs, int64_t row0, int64_t step,
-                          int64_t m, int64_t k, int64_t n, T* out) {
+                          int64_t m, int64_t k, int64_t n, T* out, const T* next = nullptr,
+                          int64_t next_elems = 0) {
+  if (next == nullptr) {
+    int64_t m0 = 0;
+    for (; m0 + 3 <= m; m0 += 3) tile<T, X, R, 3>(w, bias, xs, row0, step, m0, k, n, out);
+    for (; m0 + 2 <= m; m0 += 2) tile<T, X, R, 2>(w, bias, xs, row0, step, m0, k, n, out);
+    if (m0 < m) tile<T, X, R, 1>(w, bias, xs, row0, step, m0, k, n, out);
+    return;
+  }
+  const int64_t passes = (m + 2) / 3;
+  const int64_t next_bytes = next_elems * static_cast<int64_t>(sizeof(T));
+  const int64_t bytes_per_pass = (next_bytes / passes + 63) / 64 * 64;
+  const char* prefetch = reinterpret_cast<const char*>(next);
+  const char* prefetch_end = prefetch + next_bytes;
   int64_t m0 = 0;
-  for (; m0 + 3 <= m; m0 += 3) tile<T, X, R, 3>(w, bias, xs, row0, step, m0, k, n, out);
-  for (; m0 + 2 <= m; m0 += 2) tile<T, X, R, 2>(w, bias, xs, row0, step, m0, k, n, out);
-  if (m0 < m) tile<T, X, R, 1>(w, bias, xs, row0, step, m0, k, n, out);
+  while (m0 < m) {
+    for (int64_t byte = 0; byte < bytes_per_pass && prefetch < prefetch_end; byte += 64) {
+      __builtin_prefetch(prefetch, 0, 3);
+      prefetch += 64;
+    }
+    if (m - m0 >= 3) {
+      tile<T, X, R, 3>(w, bias, xs, row0, step, m0, k, n, out);
+      m0 += 3;
+    } else if (m - m0 == 2) {
+      tile<T, X, R, 2>(w, bias, xs, row0, step, m0, k, n, out);
+      m0 += 2;
+    } else {
+      tile<T, X, R, 1>(w, bias, xs, row0, step, m0, k, n, out);
+      m0 += 1;
+    }
+  }
 }
 
 // One thread's band of weight rows [r0, r1). With few x rows, kRowsPerTile sub-bands of
 // `step` rows walked side by side; with more, tiles of adjacent rows: a tile's rows are then
 // reused by several passes over x from L1, and rows `step` apart often map to the same L1 sets
 // (step * K * sizeof(T) a multiple of 4 KiB) and evict each other (float32 5-7 % slower at
-// 48-64 rows side by side; even at 24-32, where bfloat16 gains 25-30 %). The fewer than kRowsPerTile rows left over form one tile of adjacent rows.
+// 48-64 rows side by side). At 32 rows adjacent tiles with prefetch win (bfloat16 262 vs 179
+// GFLOP/s), at 20-24 sub-bands do (float32 123-130 vs 105-115). The fewer than
+// kRowsPerTile rows left over form one tile of adjacent rows.
 template <typename T, typename X>
 void band(const T* w, const T* bias, const X* xs, int64_t r0, int64_t r1, int64_t m,
           int64_t k, int64_t n, T* out) {
@@ -198,7 +231,10 @@ void band(const T* w, const T* bias, const X* xs, int64_t r0, int64_t r1, int64_
   const int64_t step = side_by_side ? tiles : 1;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t row0 = side_by_side ? r0 + t : r0 + t * kRowsPerTile;
-    tile_all_rows<T, X, kRowsPerTile>(w, bias, xs, row0, step, m, k, n, out);
+    // Adjacent tiles prefetch the next one; side by side, the hardware prefetcher keeps up.
+    const T* next = side_by_side || t + 1 == tiles ? nullptr : w + (row0 + kRowsPerTile) * k;
+    tile_all_rows<T, X, kRowsPerTile>(w, bias, xs, row0, step, m, k, n, out, next,
+                                      kRowsPerTile * k);
   }
   const int64_t rest = r0 + tiles * kRowsPerTile;
   switch (r1 - rest) {
