@@ -185,7 +185,7 @@ template <typename T, typename X, int R>
 inline void tile_all_rows(const T* w, const T* bias, const X* xs, int64_t row0, int64_t step,
                           int64_t m, int64_t k, int64_t n, T* out, const T* next = nullptr,
                           int64_t next_elems = 0) {
-  if (next == nullptr) {
+  if (next == nullptr) {  // side by side: the plain loop (one merged loop measured ~3 % slower)
     int64_t m0 = 0;
     for (; m0 + 3 <= m; m0 += 3) tile<T, X, R, 3>(w, bias, xs, row0, step, m0, k, n, out);
     for (; m0 + 2 <= m; m0 += 2) tile<T, X, R, 2>(w, bias, xs, row0, step, m0, k, n, out);
