@@ -13,7 +13,9 @@
 // so one task handles one (row, KV head) pair and reads each K/V row once for its G queries.
 //
 // Numerics: everything is accumulated in float32 with an exact two-pass softmax (scores for
-// the whole context are kept in a per-thread scratch buffer, then max, exp, sum). Only
+// the whole context are kept in a per-thread scratch buffer, then max, exp, sum). bfloat16 on
+// a CPU with AVX512-BF16 multiplies bf16 pairs instead (decode_attention_bf16.h), with the
+// probabilities rounded to bfloat16 for the V sum. Only
 // positions < context_lens[b] are ever read, so stale or uninitialised cache memory past a
 // row's length (or in blocks outside its table) cannot reach the output.
 //
@@ -27,18 +29,26 @@
 #include <torch/library.h>
 
 #include "decode_attention_blocks.h"
+#include "decode_attention_bf16.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace corefleet {
 namespace {
 
-using namespace attention;  // the inner loops (decode_attention_blocks.h)
+using namespace attention;  // the inner loops (decode_attention_blocks.h, _bf16.h)
+
+#if defined(__AVX512BF16__)
+constexpr bool kHasBf16Pairs = true;
+#else
+constexpr bool kHasBf16Pairs = false;
+#endif
 
 template <typename scalar_t>
 void decode_attention_kernel(
@@ -81,6 +91,10 @@ void decode_attention_kernel(
   // Hkv * D run in the cache, read front to back, where one head per task read a D-wide
   // slice every Hkv * D elements (a strided pattern the prefetcher follows poorly: 2.5x
   // slower at 64 rows). A few rows (single-stream decode) split their heads across threads.
+  // bfloat16 on a CPU with AVX512-BF16 multiplies bf16 pairs in both passes
+  // (decode_attention_bf16.h); other dtypes and head sizes widen to float32.
+  const bool pairs =
+      kHasBf16Pairs && std::is_same_v<scalar_t, c10::BFloat16> && head_dim % 32 == 0;  // 32 bf16: one vdpbf16ps operand
   const int64_t threads = at::get_num_threads();
   const int64_t head_splits = batch >= 2 * threads ? 1 : num_kv_heads;
   const int64_t heads_per_task = num_kv_heads / head_splits;
@@ -91,6 +105,9 @@ void decode_attention_kernel(
     std::vector<float> acc(num_q_heads * head_dim);    // [Hq, D] weighted sum of V rows
     std::vector<float> scores(num_q_heads * max_len);  // [Hq, L] logits, then probabilities
     std::vector<float> inv_sum(num_q_heads);           // [Hq] 1 / softmax normaliser
+    // bf16 pairs path: the queries unscaled and the probabilities, both as bf16.
+    std::vector<c10::BFloat16> q_pairs(pairs ? num_q_heads * head_dim : 0);  // [Hq, D]
+    std::vector<c10::BFloat16> probs(pairs ? num_q_heads * (max_len + 1) : 0);  // [Hq, L + 1]
 
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / head_splits;
@@ -107,6 +124,9 @@ void decode_attention_kernel(
         for (int64_t d = 0; d < head_dim; ++d) {
           q[qh * head_dim + d] = static_cast<float>(src[d]) * fscale;
         }
+        if (pairs) {  // unscaled: the scale is applied to the float32 scores instead
+          std::memcpy(&q_pairs[qh * head_dim], src, head_dim * sizeof(scalar_t));
+        }
       }
 
       // Pass 1: logits of every position, block by block, reading only positions < len.
@@ -115,17 +135,30 @@ void decode_attention_kernel(
         const int64_t block = row_blocks[start / block_size];
         TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
         const int64_t count = std::min(block_size, len - start);
-        if (start + block_size < len) {  // the next block's K for the task's heads
-          prefetch_block(k_data + row_blocks[start / block_size + 1] * block_stride,
-                         std::min(block_size, len - start - block_size), token_stride,
-                         h0 * head_dim, (h1 - h0) * head_dim);
-        }
+        // The next block's K, a head's run at a time, spread over this block's work; in the
+        // last block, pass 2's first block of V instead.
+        const scalar_t* k_next = start + block_size < len
+            ? k_data + row_blocks[start / block_size + 1] * block_stride
+            : v_data + row_blocks[0] * block_stride;
         const scalar_t* k_block = k_data + block * block_stride;
         for (int64_t h = h0; h < h1; ++h) {
           for (int64_t t = 0; t < count; t += 16) {
-            score_positions(k_block + t * token_stride + h * head_dim, token_stride,
-                            std::min<int64_t>(16, count - t), &q[h * group * head_dim], group,
-                            head_dim, &scores[h * group * len + start + t], len);
+            const scalar_t* k_run = k_block + t * token_stride + h * head_dim;
+            const int64_t run = std::min<int64_t>(16, count - t);
+            prefetch_block(k_next + t * token_stride, run, token_stride, h * head_dim,
+                           head_dim);
+            float* run_scores = &scores[h * group * len + start + t];
+#if defined(__AVX512BF16__)
+            if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+              if (pairs) {
+                score_positions_pairs(k_run, token_stride, run, &q_pairs[h * group * head_dim],
+                                      group, head_dim, fscale, run_scores, len);
+                continue;
+              }
+            }
+#endif
+            score_positions(k_run, token_stride, run, &q[h * group * head_dim], group, head_dim,
+                            run_scores, len);
           }
         }
       }
@@ -145,6 +178,18 @@ void decode_attention_kernel(
       const RowCache<scalar_t> v_row{v_data, row_blocks, len, block_size, block_stride,
                                      token_stride};
       for (int64_t h = h0; h < h1; ++h) {
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          if (pairs) {
+            for (int64_t qh = h * group; qh < (h + 1) * group; ++qh) {
+              round_probabilities(&scores[qh * len], len, &probs[qh * (len + 1)]);
+            }
+            accumulate_head_pairs(v_row, h, &probs[h * group * (len + 1)], len + 1, group,
+                                  head_dim, &acc[h * group * head_dim]);
+            continue;
+          }
+        }
+#endif
         accumulate_head(v_row, h, &scores[h * group * len], len, group, head_dim,
                         &acc[h * group * head_dim]);
       }

@@ -61,7 +61,9 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dty
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 80, 128])
+# bfloat16 multiplies pairs when D % 32 == 0 (32: one 32-wide chunk, 64: two, 128: two tiles)
+# and widens otherwise (80).
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 128])
 # Query groups of 1-4 fit one register tile in pass 2; 5 takes a tile of 4 and one of 1.
 @pytest.mark.parametrize("num_kv_heads,group", [(4, 1), (3, 3), (2, 4), (1, 5)])
 # Blocks shorter than, equal to and twice the 16-position runs of pass 1.
