@@ -42,6 +42,12 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64, cached + the new token
     prefills: list[PrefillSpan]
+    # Every new token as a decode-style row, for the C++ CPU kernel, which attends a whole
+    # step (decode rows and prefill chunks) in one call: token t's request's blocks and its
+    # context length (its position + 1), so causality is the row's length. Filled with the
+    # fields above; for a decode-only step they are decode_block_table / decode_context_lens.
+    token_block_table: torch.Tensor | None = None  # [num_tokens, max_blocks] int64
+    token_context_lens: torch.Tensor | None = None  # [num_tokens] int64
     # For backends that take block tables directly (Triton, flash-attn); the torch path uses
     # the precomputed slots above. Requests in batch order; block ids past a request's last
     # block are 0 and never read.

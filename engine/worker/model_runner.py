@@ -214,6 +214,9 @@ class ModelRunner:
                 slots_i = self._to_device(slots_i[0])
             prefills.append(PrefillSpan(token_start, n, ctx, slots_i))
             token_start += n
+        token_blocks, token_lens = decode_blocks, decode_lens
+        if prefills:
+            token_blocks, token_lens = self._token_rows(inputs)
         return AttentionMetadata(
             num_tokens=len(inputs.input_ids),
             slot_mapping=self._to_device(inputs.slot_mapping),
@@ -222,7 +225,19 @@ class ModelRunner:
             decode_mask=None,  # derived from decode_lens by the backend that needs one
             decode_context_lens=decode_lens,
             prefills=prefills,
+            token_block_table=token_blocks,
+            token_context_lens=token_lens,
         )
+
+    def _token_rows(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every new token's request blocks and context length (its position + 1)."""
+        query_lens = inputs.query_lens  # [B]
+        first_token = np.cumsum(query_lens) - query_lens  # [B] each request's first row
+        rows = np.repeat(inputs.rows, query_lens)  # [T] batch row of each token
+        offset = np.arange(len(rows)) - np.repeat(first_token, query_lens)  # [T] in its request
+        lens = np.repeat(inputs.context_lens - query_lens, query_lens) + offset + 1  # [T]
+        blocks = self.batch.decode_blocks(rows, lens)  # [T, nb]
+        return self._to_device(blocks), self._to_device(lens)
 
     def _block_table_metadata(self, inputs: StepInputs) -> AttentionMetadata:
         """For kernels that walk block tables themselves (Triton, flash-attn): each request's

@@ -50,6 +50,31 @@ constexpr bool kHasBf16Pairs = true;
 constexpr bool kHasBf16Pairs = false;
 #endif
 
+// Task boundaries for `parts` contiguous ranges of about equal work, one per thread. A task
+// (row b, one of `splits` head ranges) costs its row's length plus a fixed overhead. Equal
+// counts would not do: rows differ in length, and when a prefill chunk's tokens come as rows
+// their lengths grow one by one (a triangle), so the last half holds ~3/4 of the work.
+std::vector<int64_t> balanced_bounds(
+    const int64_t* lens, int64_t batch, int64_t splits, int64_t parts) {
+  constexpr int64_t kTaskOverhead = 16;  // in positions: queries, softmax, output
+  const int64_t tasks = batch * splits;
+  int64_t total = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    total += (lens[b] + kTaskOverhead) * splits;
+  }
+  std::vector<int64_t> bounds(parts + 1, tasks);
+  bounds[0] = 0;
+  int64_t done = 0;
+  int64_t part = 1;
+  for (int64_t task = 0; task < tasks && part < parts; ++task) {
+    done += lens[task / splits] + kTaskOverhead;
+    while (part < parts && done * parts >= total * part) {
+      bounds[part++] = task + 1;
+    }
+  }
+  return bounds;
+}
+
 template <typename scalar_t>
 void decode_attention_kernel(
     const at::Tensor& query,         // [B, Hq, D]
@@ -91,15 +116,19 @@ void decode_attention_kernel(
   // Hkv * D run in the cache, read front to back, where one head per task read a D-wide
   // slice every Hkv * D elements (a strided pattern the prefetcher follows poorly: 2.5x
   // slower at 64 rows). A few rows (single-stream decode) split their heads across threads.
-  // bfloat16 on a CPU with AVX512-BF16 multiplies bf16 pairs in both passes
-  // (decode_attention_bf16.h); other dtypes and head sizes widen to float32.
-  const bool pairs =
-      kHasBf16Pairs && std::is_same_v<scalar_t, c10::BFloat16> && head_dim % 32 == 0;  // 32 bf16: one vdpbf16ps operand
   const int64_t threads = at::get_num_threads();
   const int64_t head_splits = batch >= 2 * threads ? 1 : num_kv_heads;
   const int64_t heads_per_task = num_kv_heads / head_splits;
+  // bfloat16 on a CPU with AVX512-BF16 multiplies bf16 pairs in both passes
+  // (decode_attention_bf16.h; 32 bf16 make one vdpbf16ps operand); other dtypes and head
+  // sizes widen to float32.
+  const bool pairs =
+      kHasBf16Pairs && std::is_same_v<scalar_t, c10::BFloat16> && head_dim % 32 == 0;
 
-  at::parallel_for(0, batch * head_splits, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<int64_t> bounds = balanced_bounds(lens, batch, head_splits, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t part_begin, int64_t part_end) {
+    const int64_t begin = bounds[part_begin];
+    const int64_t end = bounds[part_end];
     // Per-thread scratch, reused by every task in the range.
     std::vector<float> q(num_q_heads * head_dim);      // [Hq, D] scaled queries
     std::vector<float> acc(num_q_heads * head_dim);    // [Hq, D] weighted sum of V rows

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -149,8 +150,10 @@ def test_strided_query_rows() -> None:
     _assert_close(actual, expected, torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backend_mixed_decode_and_prefill_matches_reference(dtype: torch.dtype) -> None:
+def _mixed_step(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A step of four decode rows and two prefill spans, the spans' new K/V already written to
+    the cache (as the model does before attention). Returns query, key, value, k_cache, v_cache
+    and the metadata with every field the model runner fills, token rows included."""
     block_size, num_kv_heads, group, head_dim = 16, 3, 3, 64
     decode_lens = [1, 16, 45, 200]
     # Two prefill spans: one fresh prompt (nothing cached) and one chunk after a cached prefix.
@@ -165,35 +168,66 @@ def test_backend_mixed_decode_and_prefill_matches_reference(dtype: torch.dtype) 
     query[: len(decode_lens)] = query_d
     key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
     value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
-    # The chunked request's context: cached slots then its new tokens, in spare blocks at the
-    # end of the cache (the decode rows never use them).
+    # The spans' blocks are the cache's last ones: the fresh prompt's one block, then the
+    # chunked request's two (cached slots, then its new tokens).
     num_blocks = k_cache.shape[0]
+    fresh_block, chunk_blocks = num_blocks - 3, [num_blocks - 2, num_blocks - 1]
+    fresh_start, chunk_start = len(decode_lens), len(decode_lens) + fresh_len
     context_len = cached_len + chunk_len
-    first_slot = (num_blocks - 3) * block_size
-    slots = torch.arange(first_slot, first_slot + context_len)  # [context_len] int64
-    chunk_start = len(decode_lens) + fresh_len
-    chunk_rows = slice(chunk_start, chunk_start + chunk_len)
+    slots = torch.arange(chunk_blocks[0] * block_size, chunk_blocks[0] * block_size + context_len)
+    fresh_slots = torch.arange(fresh_block * block_size, fresh_block * block_size + fresh_len)
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    flat_k[slots[cached_len:]] = key[chunk_rows]
-    flat_v[slots[cached_len:]] = value[chunk_rows]
+    for span_slots, rows in [
+        (slots[cached_len:], slice(chunk_start, chunk_start + chunk_len)),
+        (fresh_slots, slice(fresh_start, fresh_start + fresh_len)),
+    ]:
+        flat_k[span_slots] = key[rows]
+        flat_v[span_slots] = value[rows]
+    # Token rows: each new token attends to its request's cache up to its own position.
+    token_table = torch.zeros(num_tokens, table.shape[1], dtype=torch.int64)
+    token_table[: len(decode_lens)] = table
+    token_table[fresh_start:chunk_start, 0] = fresh_block
+    token_table[chunk_start:, :2] = torch.tensor(chunk_blocks)
+    token_lens = torch.cat(
+        [
+            torch.tensor(decode_lens),
+            torch.arange(1, fresh_len + 1),
+            torch.arange(cached_len + 1, context_len + 1),
+        ]
+    )
     meta = AttentionMetadata(
         num_tokens=num_tokens,
         slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),  # unused by attention
         num_decodes=len(decode_lens),
         decode_block_table=table,
         decode_mask=mask,
-        decode_context_lens=mask.reshape(len(decode_lens), -1).sum(-1),
+        decode_context_lens=torch.tensor(decode_lens),
         prefills=[
-            PrefillSpan(len(decode_lens), fresh_len, fresh_len, None),
+            PrefillSpan(fresh_start, fresh_len, fresh_len, None),
             PrefillSpan(chunk_start, chunk_len, context_len, slots),
         ],
+        token_block_table=token_table,
+        token_context_lens=token_lens,
     )
-    backend = cpu_attention.CpuPagedAttentionBackend()
-    scale = head_dim**-0.5
+    return query, key, value, k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# With token rows the kernel takes the whole step in one call; without (metadata built for
+# the torch path alone), decode rows go to the kernel and the spans to torch's SDPA.
+@pytest.mark.parametrize("token_rows", [True, False])
+def test_backend_mixed_decode_and_prefill_matches_reference(
+    dtype: torch.dtype, token_rows: bool
+) -> None:
+    query, key, value, k_cache, v_cache, meta = _mixed_step(dtype)
+    if not token_rows:
+        meta = dataclasses.replace(meta, token_block_table=None, token_context_lens=None)
+    scale = query.shape[-1] ** -0.5
     expected = TorchReferenceBackend().paged_attention(
         query, key, value, k_cache, v_cache, meta, scale
     )
+    backend = cpu_attention.CpuPagedAttentionBackend()
     actual = backend.paged_attention(query, key, value, k_cache, v_cache, meta, scale)
     _assert_close(actual, expected, dtype)
 
