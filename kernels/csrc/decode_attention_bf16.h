@@ -109,9 +109,9 @@ void accumulate_pairs(
     const int64_t index = start / v.block_size;
     const c10::BFloat16* block = v.data + v.blocks[index] * v.block_stride + v_offset;
     const int64_t count = std::min(v.block_size, v.len - start);
-    const bool more = start + v.block_size < v.len;
+    const bool more = start + 2 * v.block_size < v.len;
     const c10::BFloat16* next =
-        more ? v.data + v.blocks[index + 1] * v.block_stride + v_offset : nullptr;
+        more ? v.data + v.blocks[index + 2] * v.block_stride + v_offset : nullptr;
     for (int64_t t = 0; t < count; t += 2) {
       const c10::BFloat16* row = block + t * v.token_stride;
       if (next != nullptr) {  // the next block's rows t and t + 1, spread over the block

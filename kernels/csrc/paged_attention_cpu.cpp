@@ -160,15 +160,17 @@ void decode_attention_kernel(
 
       // Pass 1: logits of every position, block by block, reading only positions < len.
       // Runs of up to 16 positions: their 16 dot products are summed horizontally together.
+      const int64_t last_block = (len - 1) / block_size;
       for (int64_t start = 0; start < len; start += block_size) {
         const int64_t block = row_blocks[start / block_size];
         TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
         const int64_t count = std::min(block_size, len - start);
         // The next block's K, a head's run at a time, spread over this block's work; in the
         // last block, pass 2's first block of V instead.
-        const scalar_t* k_next = start + block_size < len
-            ? k_data + row_blocks[start / block_size + 1] * block_stride
-            : v_data + row_blocks[0] * block_stride;
+        const int64_t ahead = start / block_size + 2;  // the block two ahead in the row
+        const scalar_t* k_next = ahead < last_block + 1
+            ? k_data + row_blocks[ahead] * block_stride
+            : v_data + row_blocks[std::min(ahead - last_block - 1, last_block)] * block_stride;
         const scalar_t* k_block = k_data + block * block_stride;
         for (int64_t h = h0; h < h1; ++h) {
           for (int64_t t = 0; t < count; t += 16) {
