@@ -53,6 +53,11 @@ class AttentionBackend(Protocol):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[B, V]`` -> ``[B]`` int64 with ``torch.argmax(dim=-1)``'s semantics (the first
+        maximum; a row's first NaN wins): greedy sampling and the random draw end in one."""
+        ...
+
     def write_kv_cache(
         self,
         key: torch.Tensor,
@@ -109,6 +114,9 @@ class TorchReferenceBackend:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
         return reference.silu_and_mul(x)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
+        return logits.argmax(dim=-1)
 
     def write_kv_cache(
         self,

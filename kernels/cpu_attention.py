@@ -122,6 +122,14 @@ class CpuPagedAttentionBackend:
         out: torch.Tensor = self._ops.silu_and_mul(x.contiguous())
         return out
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
+        """torch.argmax(dim=-1) in C++: torch's takes ~1.3 ms for [64, 49152] float32 here,
+        its index-tracking reduction unvectorised; the op needs ~0.1 ms."""
+        if logits.dtype not in _FUSED_DTYPES or logits.shape[-1] == 0 or logits.dim() != 2:
+            return logits.argmax(dim=-1)
+        out: torch.Tensor = self._ops.argmax_rows(logits.contiguous())
+        return out
+
     def write_kv_cache(
         self,
         key: torch.Tensor,  # [T, Hkv, D]

@@ -60,6 +60,9 @@ class TritonBackend:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
         return silu_and_mul(x)
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
+        return logits.argmax(dim=-1)
+
     def write_kv_cache(
         self,
         key: torch.Tensor,  # [T, Hkv, D]

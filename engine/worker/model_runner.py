@@ -48,7 +48,7 @@ class ModelRunner:
         )
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[KVCache] = []
-        self.sampler = Sampler()
+        self.sampler = Sampler(argmax=self.backend.argmax)
         self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len, self.block_size)
 
     # ---- start-up -------------------------------------------------------------------------

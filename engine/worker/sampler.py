@@ -13,6 +13,7 @@ The caller's logits tensor is never modified.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,11 +47,17 @@ class Sampler:
     """Samples one token per row of a ``[B, V]`` logits tensor.
 
     ``generator`` is the shared generator of unseeded random rows (it must live on the logits'
-    device); None uses torch's default generator for that device.
+    device); None uses torch's default generator for that device. ``argmax`` is the row-wise
+    argmax both greedy and random sampling end in (the kernel backend's; torch's by default).
     """
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self,
+        generator: torch.Generator | None = None,
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.generator = generator
+        self.argmax = argmax or _torch_argmax
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample from ``logits`` (``[B, V]``, float32) as ``meta`` says."""
@@ -69,8 +76,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Return ``[B]`` int64 token ids from (already penalized) ``[B, V]`` logits."""
         if meta.all_greedy:
-            return logits.argmax(dim=-1)  # [B]
-        greedy_ids = None if meta.all_random else logits.argmax(dim=-1)  # [B]
+            return self.argmax(logits)  # [B]
+        greedy_ids = None if meta.all_random else self.argmax(logits)  # [B]
         assert meta.temperature is not None
 
         # Division allocates a fresh tensor: everything below may work in place on it.
@@ -82,7 +89,7 @@ class Sampler:
                 logits, meta.top_k, meta.top_p, meta.max_top_k, meta.top_k_all_rows
             )
         probs = logits.softmax(dim=-1)  # [B, V]
-        random_ids = random_sample(probs, meta.generators, self.generator)  # [B]
+        random_ids = random_sample(probs, meta.generators, self.generator, self.argmax)  # [B]
 
         if greedy_ids is None:
             return random_ids
@@ -183,6 +190,7 @@ def random_sample(
     probs: torch.Tensor,
     generators: dict[int, torch.Generator],
     default_generator: torch.Generator | None = None,
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Draw one token per row of ``[B, V]`` probs: ``argmax(probs / q)``, ``q ~ Exp(1)``.
 
@@ -196,7 +204,11 @@ def random_sample(
         q[row].exponential_(generator=gen)
     # q can be exactly 0; clamping keeps masked tokens at 0 / tiny = 0 instead of 0 / 0 = nan.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return probs.div_(q).argmax(dim=-1)
+    return (argmax or _torch_argmax)(probs.div_(q))
+
+
+def _torch_argmax(x: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
+    return x.argmax(dim=-1)
 
 
 def _to_output(
