@@ -47,7 +47,7 @@ def decode_attention(
 # Row counts up to which the C++ small-batch linear beats torch's GEMM on weights streamed from
 # memory (measured on the project's 2-core AVX-512 machine with every layer's weights cold, as
 # in a decode step: float32 2.4x torch's rate at one row, 1.3-1.9x at 16-64 rows; bfloat16,
-# with AVX512-BF16 dot products, 2.2x at one row, 1.2-1.4x at 16-64).
+# with AVX512-BF16 dot products, 2.2x at one row, 1.5-1.6x at 32-64).
 _SMALL_LINEAR_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 64}
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what the fused layer ops are built for
 

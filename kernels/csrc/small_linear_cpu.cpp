@@ -18,9 +18,10 @@
 // ends: one x row in bfloat16 read 19 GB/s that way and reads 31 GB/s side by side, the
 // speed of a plain read.) With more x rows a tile is eight adjacent rows, and each tile
 // prefetches the next while it computes. Each tile's dot products with every x row are
-// computed while its rows sit in L1, three x rows per pass. Measured with cold weights
-// (SmolLM2's shapes): float32 1.3-1.9x MKL's rate at 16-64 rows; bfloat16 (vdpbf16ps) 2.2x
-// oneDNN's at one row, 1.2-1.4x at 16-64.
+// computed while its rows sit in L1, three x rows per pass, and a tile of adjacent rows stores
+// each x row's outputs as one masked vector run. Measured with cold weights (SmolLM2's
+// shapes): float32 1.3-1.9x MKL's rate at 16-64 rows; bfloat16 (vdpbf16ps) 2.2x oneDNN's at
+// one row, 1.5-1.6x at 32-64.
 //
 // Numerics: float32 accumulation in both dtypes; bfloat16 products are exact in float32
 // (weights widened, or multiplied in pairs by vdpbf16ps where the CPU has AVX512-BF16). Each
@@ -57,19 +58,20 @@ inline void store(float value, float* out) { *out = value; }
 inline void store(float value, c10::BFloat16* out) { *out = c10::BFloat16(value); }
 
 #if defined(__AVX512F__)
-// dots[r * MM + j] = <w[r * row_step], x[j]> for R weight rows row_step elements apart and MM
-// float32 x rows; k % 16 == 0.
+// dots[j * R + r] = <w[r * row_step], x[j]> for R weight rows row_step elements apart and MM
+// float32 x rows; k % 16 == 0. Ordered by x row, so that one x row's R outputs are adjacent
+// (and, for a tile of adjacent weight rows, adjacent in the output row too).
 // R and MM are template parameters so the R * MM accumulators live in registers (with a
 // runtime count GCC keeps them in memory and every FMA waits on a store); each weight vector
 // is loaded and widened once and used for all MM x rows.
 template <typename T, int R, int MM>
 inline void tile_dots(const T* w, int64_t row_step, int64_t k, const float* x, float* dots) {
-  __m512 acc[R * MM];  // [r * MM + j], the order of dots
+  __m512 acc[R * MM];  // [j * R + r], the order of dots
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
     for (int j = 0; j < MM; ++j) {
-      acc[r * MM + j] = _mm512_setzero_ps();
+      acc[j * R + r] = _mm512_setzero_ps();
     }
   }
   for (int64_t i = 0; i < k; i += kLanes) {
@@ -83,7 +85,7 @@ inline void tile_dots(const T* w, int64_t row_step, int64_t k, const float* x, f
       const __m512 wv = load16(w + r * row_step + i);
 #pragma GCC unroll 4
       for (int j = 0; j < MM; ++j) {
-        acc[r * MM + j] = _mm512_fmadd_ps(wv, xv[j], acc[r * MM + j]);
+        acc[j * R + r] = _mm512_fmadd_ps(wv, xv[j], acc[j * R + r]);
       }
     }
   }
@@ -98,12 +100,12 @@ inline void tile_dots(const T* w, int64_t row_step, int64_t k, const float* x, f
 template <int R, int MM>
 inline void tile_dots_bf16_pairs(const c10::BFloat16* w, int64_t row_step, int64_t k,
                                  const c10::BFloat16* x, float* dots) {
-  __m512 acc[R * MM];  // [r * MM + j], the order of dots
+  __m512 acc[R * MM];  // [j * R + r], the order of dots
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
     for (int j = 0; j < MM; ++j) {
-      acc[r * MM + j] = _mm512_setzero_ps();
+      acc[j * R + r] = _mm512_setzero_ps();
     }
   }
   for (int64_t i = 0; i < k; i += 2 * kLanes) {
@@ -117,7 +119,7 @@ inline void tile_dots_bf16_pairs(const c10::BFloat16* w, int64_t row_step, int64
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * row_step + i);
 #pragma GCC unroll 4
       for (int j = 0; j < MM; ++j) {
-        acc[r * MM + j] = _mm512_dpbf16_ps(acc[r * MM + j], wv, xv[j]);
+        acc[j * R + r] = _mm512_dpbf16_ps(acc[j * R + r], wv, xv[j]);
       }
     }
   }
@@ -128,9 +130,9 @@ inline void tile_dots_bf16_pairs(const c10::BFloat16* w, int64_t row_step, int64
 // Portable version: fixed-width independent partial sums, which GCC vectorises at -O3.
 template <typename T, int R, int MM>
 inline void tile_dots(const T* w, int64_t row_step, int64_t k, const float* x_rows, float* dots) {
-  for (int64_t q = 0; q < R * MM; ++q) {
-    const T* row = w + (q / MM) * row_step;
-    const float* x = x_rows + (q % MM) * k;
+  for (int64_t q = 0; q < R * MM; ++q) {  // q = j * R + r
+    const T* row = w + (q % R) * row_step;
+    const float* x = x_rows + (q / R) * k;
     float partial[kLanes] = {};
     int64_t i = 0;
     for (; i + kLanes <= k; i += kLanes) {
@@ -150,6 +152,35 @@ inline void tile_dots(const T* w, int64_t row_step, int64_t k, const float* x_ro
 }
 #endif
 
+// out[i] = v[i] + bias[i] for the R <= 16 outputs of one x row against adjacent weight rows.
+// With masked vector loads and stores (AVX512-BW/VL): one output at a time, the bfloat16
+// rounding and the stores cost as much as a K = 576 tile's dot products' last third.
+template <typename T, int R>
+inline void store_run(const float* v, const T* bias, T* out) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  static_assert(R <= 16, "one vector of outputs");
+  const __mmask16 mask = static_cast<__mmask16>((1u << R) - 1u);
+  __m512 sum = _mm512_maskz_loadu_ps(mask, v);
+  if constexpr (std::is_same_v<T, float>) {
+    if (bias != nullptr) {
+      sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, bias));
+    }
+    _mm512_mask_storeu_ps(out, mask, sum);
+  } else {
+    if (bias != nullptr) {
+      const __m256i bits = _mm256_maskz_loadu_epi16(mask, bias);
+      sum = _mm512_add_ps(
+          sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+    }
+    _mm256_mask_storeu_epi16(out, mask, round_to_bf16(sum));
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    store(v[r] + (bias != nullptr ? widen(bias[r]) : 0.f), out + r);
+  }
+#endif
+}
+
 // One tile: R weight rows row0, row0 + step, ... against x rows [m0, m0 + MM), written to out.
 // X is float (x widened once) or, on the bf16-pairs path, bfloat16 (x as given).
 template <typename T, typename X, int R, int MM>
@@ -165,11 +196,15 @@ inline void tile(const T* w, const T* bias, const X* xs, int64_t row0, int64_t s
 #else
   tile_dots<T, R, MM>(w + row0 * k, step * k, k, xs + m0 * k, dots);
 #endif
-  for (int r = 0; r < R; ++r) {
-    const int64_t row = row0 + r * step;
-    const float bias_r = bias != nullptr ? widen(bias[row]) : 0.f;
-    for (int j = 0; j < MM; ++j) {
-      store(dots[r * MM + j] + bias_r, out + (m0 + j) * n + row);
+  for (int j = 0; j < MM; ++j) {
+    T* orow = out + (m0 + j) * n + row0;
+    if (step == 1) {  // adjacent weight rows: the R outputs are one run of the output row
+      store_run<T, R>(dots + j * R, bias != nullptr ? bias + row0 : nullptr, orow);
+      continue;
+    }
+    for (int r = 0; r < R; ++r) {
+      const float bias_r = bias != nullptr ? widen(bias[row0 + r * step]) : 0.f;
+      store(dots[j * R + r] + bias_r, orow + r * step);
     }
   }
 }

@@ -19,14 +19,21 @@ inline __m512 load16(const c10::BFloat16* p) {
 
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 
-inline void store16(c10::BFloat16* p, __m512 v) {
-  // Round to nearest even, as c10::BFloat16's constructor does for finite values.
+// 16 floats rounded to bfloat16 bit patterns as c10::BFloat16's constructor does: to nearest
+// even, and NaN to its quiet NaN (rounding a NaN's bits could carry into the sign).
+inline __m256i round_to_bf16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded =
       _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  const __m512i upper =
+      _mm512_mask_mov_epi32(_mm512_srli_epi32(rounded, 16), nan, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(upper);
+}
+
+inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), round_to_bf16(v));
 }
 
 // exp(x) per lane: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor

@@ -40,6 +40,23 @@ def test_matches_torch_linear(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [5, 37])  # outputs stored one by one; in vector runs
+def test_nan_in_an_x_row_stays_in_its_output_row(dtype: torch.dtype, rows: int) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, 576, generator=gen).to(dtype)  # [M, K]
+    weight = torch.randn(100, 576, generator=gen).to(dtype)  # [N, K]
+    bias = torch.randn(100, generator=gen).to(dtype)  # [N]
+    x[rows - 2, 10] = float("nan")
+    out = OPS.small_linear(x, weight, bias)
+    assert out[rows - 2].isnan().all()
+    others = torch.cat([out[: rows - 2], out[rows - 1 :]])
+    expected = torch.nn.functional.linear(
+        torch.cat([x[: rows - 2], x[rows - 1 :]]).float(), weight.float(), bias.float()
+    )
+    torch.testing.assert_close(others.float(), expected, atol=0.1, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [5, 37])  # tiles from sub-bands; tiles of adjacent rows
 def test_result_does_not_depend_on_thread_count(dtype: torch.dtype, rows: int) -> None:
     gen = torch.Generator().manual_seed(0)
