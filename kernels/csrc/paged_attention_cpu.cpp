@@ -1,5 +1,7 @@
-// Decode paged attention on the CPU: one new query token per request, K and V read in place
-// from the paged cache through the request's block table (no gathered copy).
+// Paged attention on the CPU, one query token per row: K and V read in place from the paged
+// cache through the row's block table (no gathered copy). A decode request is one row; a
+// prefill chunk is one row per token, each with its own length (its position + 1), which makes
+// the attention causal without a mask (cpu_attention.py builds those rows).
 //
 // Layouts (all row-major):
 //   query        [B, Hq, D]                          float32 or bfloat16 (last dim contiguous)
