@@ -4,10 +4,11 @@ Batch layout: the flattened token batch holds the *decode-like* requests first (
 each), then the requests that compute several tokens this step (prefill chunks).
 
 Two sets of fields, filled for the backend in use (``AttentionBackend.needs_block_tables``):
-the torch and C++ CPU paths take precomputed gathers (decode rows attended to in one padded,
-vectorised call; multi-token rows one request at a time); the Triton and flash-attn kernels
-walk each request's block table themselves and take the block tables, lengths and query
-offsets of every request instead.
+the torch path takes precomputed gathers (decode rows attended to in one padded, vectorised
+call; multi-token rows one request at a time), and the C++ CPU kernel the same step as token
+rows (every new token with its request's block table and its own length, all in one call);
+the Triton and flash-attn kernels walk each request's block table themselves and take the
+block tables, lengths and query offsets of every request instead.
 """
 
 from __future__ import annotations
