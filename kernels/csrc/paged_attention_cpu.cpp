@@ -132,7 +132,7 @@ void decode_attention_kernel(
     const int64_t begin = bounds[part_begin];
     const int64_t end = bounds[part_end];
     // Per-thread scratch, reused by every task in the range.
-    std::vector<float> q(num_q_heads * head_dim);      // [Hq, D] scaled queries
+    std::vector<float> q(pairs ? 0 : num_q_heads * head_dim);  // [Hq, D] scaled queries
     std::vector<float> acc(num_q_heads * head_dim);    // [Hq, D] weighted sum of V rows
     std::vector<float> scores(num_q_heads * max_len);  // [Hq, L] logits, then probabilities
     std::vector<float> inv_sum(num_q_heads);           // [Hq] 1 / softmax normaliser
@@ -152,11 +152,12 @@ void decode_attention_kernel(
       // The task's queries, scaled once here instead of once per score.
       for (int64_t qh = qh0; qh < qh1; ++qh) {
         const scalar_t* src = q_data + b * q_row_stride + qh * q_head_stride;
+        if (pairs) {  // unscaled bf16: the scale is applied to the float32 scores instead
+          std::memcpy(&q_pairs[qh * head_dim], src, head_dim * sizeof(scalar_t));
+          continue;
+        }
         for (int64_t d = 0; d < head_dim; ++d) {
           q[qh * head_dim + d] = static_cast<float>(src[d]) * fscale;
-        }
-        if (pairs) {  // unscaled: the scale is applied to the float32 scores instead
-          std::memcpy(&q_pairs[qh * head_dim], src, head_dim * sizeof(scalar_t));
         }
       }
 
