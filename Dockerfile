@@ -134,7 +134,7 @@ ENV UV_PYTHON_INSTALL_DIR=/opt/python \
     UV_NO_CACHE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1
-# DL3008: g++ (with libgomp) is needed at run time: kernels/csrc is compiled by torch's
+# DL3008: g++ (with libgomp) is needed at run time: kernels/cpu/csrc is compiled by torch's
 # cpp_extension with -fopenmp on first use of the CPU path. Not version-pinned for the same
 # reason as in the flash-attn stage: exact Ubuntu versions disappear on security updates; the
 # pinned base image fixes the release.

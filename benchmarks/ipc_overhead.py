@@ -32,9 +32,11 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from corefleet.engine.client import EngineCoreClient, InprocClient, make_client
+from corefleet.engine.client.base import EngineCoreClient
+from corefleet.engine.client.factory import make_client
+from corefleet.engine.client.inproc import InprocClient
 from corefleet.engine.config import EngineConfig
-from corefleet.engine.protocol import EngineCoreRequest, SamplingParams
+from corefleet.engine.messages import EngineCoreRequest, SamplingParams
 
 NULL_EXECUTOR = "corefleet.engine.worker.null_executor:NullExecutor"
 PROMPT_LEN = 8

@@ -36,11 +36,12 @@ import triton.testing  # after the CUDA check, so that its message comes first
 from corefleet.engine.config import EngineConfig
 from corefleet.engine.core.block_hash import make_block_hasher
 from corefleet.engine.core.scheduler import Scheduler
+from corefleet.engine.messages import SamplingParams
 from corefleet.engine.models.arch import ArchConfig
-from corefleet.engine.protocol import SamplingParams
 from corefleet.engine.request import Request
 from corefleet.engine.worker.model_runner import ModelRunner
-from corefleet.kernels import flash_attn_backend, triton_attention
+from corefleet.kernels import flash_attn as flash_attn_backend
+from corefleet.kernels.triton_ops import attention as triton_attention
 
 DEVICE = torch.device("cuda")
 DTYPE = torch.bfloat16

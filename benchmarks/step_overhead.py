@@ -18,10 +18,10 @@ import torch
 
 from corefleet.engine.config import EngineConfig
 from corefleet.engine.core.block_hash import make_block_hasher
-from corefleet.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from corefleet.engine.core.scheduler import Scheduler
+from corefleet.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from corefleet.engine.messages import SamplingParams
 from corefleet.engine.models.arch import ArchConfig
-from corefleet.engine.protocol import SamplingParams
 from corefleet.engine.request import Request
 from corefleet.engine.worker.model_runner import ModelRunner
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from corefleet.engine.protocol import SamplingParams
+from corefleet.engine.messages import SamplingParams
 
 if TYPE_CHECKING:
     from corefleet.engine.frontend.llm import LLM

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from corefleet.engine import envs
 from corefleet.engine.engine_args import add_engine_args, engine_kwargs_from_args
-from corefleet.engine.protocol import SamplingParams
+from corefleet.engine.messages import SamplingParams
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -226,10 +226,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _engine_core(args: argparse.Namespace) -> int:
-    from corefleet.engine.core_entry import run_engine_core
-    from corefleet.engine.core_proc import EngineProcConfig
     from corefleet.engine.engine_args import engine_config_from_args
-    from corefleet.engine.net import handshake_address, load_curve_keys
+    from corefleet.engine.engine_core.entry import run_engine_core
+    from corefleet.engine.engine_core.proc import EngineProcConfig
+    from corefleet.engine.transport.sockets import handshake_address, load_curve_keys
 
     proc_config = EngineProcConfig(
         handshake_address=handshake_address(args.coordinator),
@@ -248,8 +248,8 @@ def _engine_core(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from corefleet.engine.coordinator.main import CoordinatorOptions, LocalRanks, run
     from corefleet.engine.engine_args import engine_config_from_args
+    from corefleet.engine.entrypoints.coordinator import CoordinatorOptions, LocalRanks, run
 
     api_key = args.api_key or envs.api_key()
     if args.command == "coordinator":

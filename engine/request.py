@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Protocol
 
-from corefleet.engine.protocol import EngineCoreRequest, FinishReason, SamplingParams
+from corefleet.engine.messages import EngineCoreRequest, FinishReason, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

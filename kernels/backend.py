@@ -177,16 +177,16 @@ def _build(
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError(f"attention backend 'cpu' needs a CPU device, got {device}")
-        from corefleet.kernels import cpu_attention  # imported only when asked for
+        from corefleet.kernels.cpu import backend as cpu_attention  # imported only when asked for
 
         return cpu_attention.CpuPagedAttentionBackend()
     if name == "triton":
         _check_triton(device)
-        from corefleet.kernels.triton_backend import TritonBackend
+        from corefleet.kernels.triton_ops.backend import TritonBackend
 
         return TritonBackend()
     if name == "flash-attn":
-        from corefleet.kernels import flash_attn_backend
+        from corefleet.kernels import flash_attn as flash_attn_backend
 
         reason = flash_attn_backend.flash_attn_unfit_reason(device, dtype, block_size)
         if reason is not None:
@@ -197,7 +197,7 @@ def _build(
 
 
 def _check_triton(device: torch.device) -> None:
-    from corefleet.kernels import triton_support
+    from corefleet.kernels.triton_ops import support as triton_support
 
     if not triton_support.triton_installed():
         raise ValueError(
@@ -217,7 +217,7 @@ def _cpu_backend_or_reference() -> AttentionBackend:
     # Building the C++ op needs ninja and a compiler; a machine without them still runs, on
     # the slower but dependency-free reference.
     try:
-        from corefleet.kernels import cpu_attention
+        from corefleet.kernels.cpu import backend as cpu_attention
 
         return cpu_attention.CpuPagedAttentionBackend()
     except Exception as exc:  # any build or load failure: fall back rather than not start
@@ -232,7 +232,8 @@ def _cpu_backend_or_reference() -> AttentionBackend:
 def _best_cuda_backend(
     device: torch.device, dtype: torch.dtype | None, block_size: int | None
 ) -> str:
-    from corefleet.kernels import flash_attn_backend, triton_support
+    from corefleet.kernels import flash_attn as flash_attn_backend
+    from corefleet.kernels.triton_ops import support as triton_support
 
     reason = flash_attn_backend.flash_attn_unfit_reason(device, dtype, block_size)
     if reason is None and triton_support.triton_installed():

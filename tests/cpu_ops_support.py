@@ -17,6 +17,6 @@ def load_cpu_ops_or_skip() -> torch._ops._OpNamespace:
         pytest.skip(
             "no C++ compiler here: the C++ CPU ops cannot be built", allow_module_level=True
         )
-    from corefleet.kernels.cpu_ops import load_cpu_ops
+    from corefleet.kernels.cpu.build import load_cpu_ops
 
     return load_cpu_ops()

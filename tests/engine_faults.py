@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from corefleet.engine.config import EngineConfig
-from corefleet.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from corefleet.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from corefleet.engine.worker.executor import UniProcExecutor
 from corefleet.engine.worker.null_executor import NullExecutor
 

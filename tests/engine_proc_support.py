@@ -14,12 +14,13 @@ from typing import TypeVar
 
 import zmq
 
-from corefleet.engine.client import EngineCoreClient, InprocClient
+from corefleet.engine.client.base import EngineCoreClient
+from corefleet.engine.client.inproc import InprocClient
 from corefleet.engine.config import EngineConfig
 from corefleet.engine.engine_args import engine_argv_from_config
-from corefleet.engine.handshake import HandshakeServer
-from corefleet.engine.net import bound_address, make_socket
-from corefleet.engine.protocol import EngineCoreRequest, FinishReason, SamplingParams
+from corefleet.engine.messages import EngineCoreRequest, FinishReason, SamplingParams
+from corefleet.engine.transport.handshake import HandshakeServer
+from corefleet.engine.transport.sockets import bound_address, make_socket
 
 T = TypeVar("T")
 TESTS_DIR = Path(__file__).resolve().parent

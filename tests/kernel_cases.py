@@ -183,8 +183,8 @@ def require_interpreted_kernels() -> None:
     one process. Without a GPU that can only be a mistake, and silently skipping would hide
     every kernel test.
     """
-    from corefleet.kernels import triton_attention
-    from corefleet.kernels.triton_support import is_interpreted
+    from corefleet.kernels.triton_ops import attention as triton_attention
+    from corefleet.kernels.triton_ops.support import is_interpreted
 
     if is_interpreted(triton_attention._unified_attention_kernel):
         return

@@ -30,7 +30,7 @@ import zmq
 from corefleet.engine.coordinator.membership import Membership, RankMember
 from corefleet.engine.coordinator.routing import NoRankAvailable, RankLoad, RoutingPolicy
 from corefleet.engine.coordinator.server import FleetServer
-from corefleet.engine.protocol import (
+from corefleet.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,

@@ -16,7 +16,7 @@ import enum
 import logging
 from dataclasses import dataclass, field
 
-from corefleet.engine.protocol import (
+from corefleet.engine.messages import (
     PROTOCOL_VERSION,
     EngineStats,
     Hello,

@@ -22,9 +22,7 @@ import zmq
 import zmq.asyncio
 
 from corefleet.engine.coordinator.membership import Membership, RankMember
-from corefleet.engine.handshake import rank_identity
-from corefleet.engine.net import CurveKeys, make_socket, start_authenticator
-from corefleet.engine.protocol import (
+from corefleet.engine.messages import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,
     HandshakeMessage,
@@ -33,7 +31,9 @@ from corefleet.engine.protocol import (
     ReadyResponse,
     RequestType,
 )
-from corefleet.engine.serial import MsgpackDecoder, MsgpackEncoder
+from corefleet.engine.transport.handshake import rank_identity
+from corefleet.engine.transport.serial import MsgpackDecoder, MsgpackEncoder
+from corefleet.engine.transport.sockets import CurveKeys, make_socket, start_authenticator
 
 logger = logging.getLogger(__name__)
 

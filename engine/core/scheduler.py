@@ -20,15 +20,15 @@ from collections.abc import Iterable
 from corefleet.engine.config import CacheConfig, SchedulerConfig
 from corefleet.engine.core.block_hash import make_block_hasher
 from corefleet.engine.core.kv_cache import KVCacheBlock, KVCacheManager
-from corefleet.engine.core.outputs import (
+from corefleet.engine.core.request_queue import create_request_queue, preemption_victim
+from corefleet.engine.core.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
-from corefleet.engine.core.request_queue import create_request_queue, preemption_victim
 from corefleet.engine.core.stop import append_and_check, check_appended_token
-from corefleet.engine.protocol import (
+from corefleet.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     SchedulerStats,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from corefleet.engine.protocol import EngineCoreOutput, Logprobs
+from corefleet.engine.messages import EngineCoreOutput, Logprobs
 from corefleet.engine.request import Request, RequestStatus
 
 _STOPPED = RequestStatus.FINISHED_STOPPED

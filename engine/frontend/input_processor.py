@@ -9,8 +9,8 @@ from typing import TypeAlias
 
 import msgspec
 
-from corefleet.engine.protocol import EngineCoreRequest, SamplingParams
-from corefleet.engine.tokenizer import Tokenizer
+from corefleet.engine.frontend.tokenizer import Tokenizer
+from corefleet.engine.messages import EngineCoreRequest, SamplingParams
 
 # A prompt is text, or a mapping with "prompt_token_ids" (and optionally "prompt").
 PromptType: TypeAlias = str | Mapping[str, object]

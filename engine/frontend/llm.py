@@ -9,14 +9,15 @@ from typing import Any
 import msgspec
 from tqdm import tqdm
 
-from corefleet.engine.client import EngineCoreClient, make_client
+from corefleet.engine.client.base import EngineCoreClient
+from corefleet.engine.client.factory import make_client
 from corefleet.engine.config import EngineConfig
 from corefleet.engine.frontend.input_processor import InputProcessor, PromptType
 from corefleet.engine.frontend.output_processor import OutputProcessor
 from corefleet.engine.frontend.outputs import RequestOutput
+from corefleet.engine.frontend.tokenizer import Tokenizer
+from corefleet.engine.messages import SamplingParams, SchedulerStats
 from corefleet.engine.models.loader import resolve_model_path
-from corefleet.engine.protocol import SamplingParams, SchedulerStats
-from corefleet.engine.tokenizer import Tokenizer
 
 ChatMessages = list[dict[str, str]]
 

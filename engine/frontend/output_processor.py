@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from corefleet.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
+from corefleet.engine.frontend.detokenizer import IncrementalDetokenizer, check_stop_strings
 from corefleet.engine.frontend.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from corefleet.engine.protocol import EngineCoreOutput, Logprobs, SamplingParams
-from corefleet.engine.tokenizer import Tokenizer
+from corefleet.engine.frontend.tokenizer import Tokenizer
+from corefleet.engine.messages import EngineCoreOutput, Logprobs, SamplingParams
 
 
 @dataclass

@@ -19,13 +19,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from corefleet.engine.coordinator.fleet_client import FleetClient
 from corefleet.engine.frontend.input_processor import InputProcessor
+from corefleet.engine.frontend.tokenizer import Tokenizer
+from corefleet.engine.messages import ReadyResponse
 from corefleet.engine.openai import protocol as p
 from corefleet.engine.openai.errors import SSE_DONE, RequestError, parse_request, sse_event
 from corefleet.engine.openai.logprobs import chat_logprobs, completion_logprobs
 from corefleet.engine.openai.metrics import ServingMetrics
 from corefleet.engine.openai.serving import ChoiceDelta, Generation
-from corefleet.engine.protocol import ReadyResponse
-from corefleet.engine.tokenizer import Tokenizer
 
 
 @dataclass

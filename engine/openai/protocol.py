@@ -22,8 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from corefleet.engine.messages import FinishReason, SamplingParams
 from corefleet.engine.openai.errors import RequestError, error_from_sampling, unsupported
-from corefleet.engine.protocol import FinishReason, SamplingParams
 
 _REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
 

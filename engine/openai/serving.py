@@ -18,8 +18,8 @@ from corefleet.engine.coordinator.fleet_client import FleetClient
 from corefleet.engine.frontend.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from corefleet.engine.frontend.output_processor import OutputProcessor
 from corefleet.engine.frontend.outputs import RequestOutput, TokenLogprob
-from corefleet.engine.protocol import EngineCoreOutput, EngineCoreRequest, SamplingParams
-from corefleet.engine.tokenizer import Tokenizer
+from corefleet.engine.frontend.tokenizer import Tokenizer
+from corefleet.engine.messages import EngineCoreOutput, EngineCoreRequest, SamplingParams
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 
 from corefleet.engine import envs
 from corefleet.engine.config import EngineConfig
-from corefleet.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from corefleet.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from corefleet.engine.models.loader import load_arch_config
 from corefleet.engine.worker.model_runner import TORCH_DTYPES, ModelRunner
 

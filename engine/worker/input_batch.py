@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from corefleet.engine.protocol import SamplingParams
+from corefleet.engine.messages import SamplingParams
 
 
 @dataclass

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from corefleet.engine.config import EngineConfig
-from corefleet.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from corefleet.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from corefleet.engine.models.arch import ArchConfig
 from corefleet.engine.models.llama import KVCache, LlamaForCausalLM
 from corefleet.engine.models.loader import load_weights

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from corefleet.engine.config import EngineConfig
-from corefleet.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from corefleet.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from corefleet.engine.models.loader import load_arch_config
 
 # What the real runner would need per token of KV cache in float32; only sizes the pool.

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from corefleet.engine.protocol import Logprobs
+from corefleet.engine.messages import Logprobs
 from corefleet.engine.worker.sampling_metadata import SamplingMetadata
 
 __all__ = [

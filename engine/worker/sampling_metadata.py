@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from corefleet.engine.protocol import SamplingParams
+from corefleet.engine.messages import SamplingParams
 
 # Requests with a temperature below this are sampled greedily (same rule as SamplingParams).
 _GREEDY_TEMPERATURE = 1e-5

@@ -50,7 +50,7 @@ def test_tiny_model_on_gpu_equals_hf(tmp_path: Path, block_size: int) -> None:
 
 
 def test_smollm2_on_gpu_equals_hf(hf_smollm2, smollm2_path: str) -> None:  # type: ignore[no-untyped-def]
-    from corefleet.engine.tokenizer import Tokenizer
+    from corefleet.engine.frontend.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_path(smollm2_path)
     prompts = [tokenizer.encode(p) for p in PROMPTS]

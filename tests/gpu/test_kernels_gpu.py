@@ -21,11 +21,11 @@ from corefleet.kernels import (  # noqa: E402  (only once a GPU is known to be h
     triton_rms_norm,
     triton_rotary,
 )
-from corefleet.kernels.flash_attn_backend import (  # noqa: E402
+from corefleet.kernels.flash_attn import (  # noqa: E402
     FlashAttnBackend,
     flash_attn_installed,
 )
-from corefleet.kernels.triton_backend import TritonBackend  # noqa: E402
+from corefleet.kernels.triton_ops.backend import TritonBackend  # noqa: E402
 from tests.kernel_cases import (  # noqa: E402
     PagedBatch,
     assert_close,

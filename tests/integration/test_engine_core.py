@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from corefleet.engine import LLM, SamplingParams
-from corefleet.engine.protocol import EngineCoreRequest, FinishReason
+from corefleet.engine.messages import EngineCoreRequest, FinishReason
 from tests.fixtures_models import write_tiny_llama
 
 

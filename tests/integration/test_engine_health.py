@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import zmq
 
-from corefleet.engine.handshake import rank_identity
-from corefleet.engine.protocol import EngineCoreOutputs, EngineCoreRequest, RequestType
-from corefleet.engine.serial import MsgpackDecoder, MsgpackEncoder
+from corefleet.engine.messages import EngineCoreOutputs, EngineCoreRequest, RequestType
+from corefleet.engine.transport.handshake import rank_identity
+from corefleet.engine.transport.serial import MsgpackDecoder, MsgpackEncoder
 from tests.engine_proc_support import bare_engine, greedy
 from tests.fixtures_models import write_tiny_llama
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from corefleet.engine.client import MPClientOptions
-from corefleet.engine.client_mp import AsyncMPClient, SyncMPClient
-from corefleet.engine.protocol import (
+from corefleet.engine.client.base import MPClientOptions
+from corefleet.engine.client.mp import AsyncMPClient, SyncMPClient
+from corefleet.engine.messages import (
     EngineCoreRequest,
     FinishReason,
     RequestType,
@@ -24,7 +24,7 @@ from corefleet.engine.protocol import (
     SchedulerStats,
     UtilityCall,
 )
-from corefleet.engine.serial import MsgpackEncoder
+from corefleet.engine.transport.serial import MsgpackEncoder
 from tests.engine_proc_support import (
     PROMPTS,
     collect,

@@ -19,10 +19,9 @@ from typing import Any
 import pytest
 import zmq
 
-from corefleet.engine.client import EngineDeadError, MPClientOptions
-from corefleet.engine.client_mp import SyncMPClient
-from corefleet.engine.handshake import EngineStartupError
-from corefleet.engine.protocol import (
+from corefleet.engine.client.base import EngineDeadError, MPClientOptions
+from corefleet.engine.client.mp import SyncMPClient
+from corefleet.engine.messages import (
     PROTOCOL_VERSION,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -30,7 +29,8 @@ from corefleet.engine.protocol import (
     FinishReason,
     Hello,
 )
-from corefleet.engine.serial import MsgpackEncoder
+from corefleet.engine.transport.handshake import EngineStartupError
+from corefleet.engine.transport.serial import MsgpackEncoder
 from tests.engine_faults import PID_FILE_ENV
 from tests.engine_proc_support import (
     PROMPTS,
@@ -334,8 +334,8 @@ def test_a_script_that_never_calls_shutdown_exits_cleanly(
         "outs = llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(max_tokens=3))\n"
         "print(outs[0].outputs[0].token_ids)\n"
         "pid = llm.engine_client.engine_pid\n",
-        "async": "from corefleet.engine.client import MPClientOptions\n"
-        "from corefleet.engine.client_mp import AsyncMPClient\n"
+        "async": "from corefleet.engine.client.base import MPClientOptions\n"
+        "from corefleet.engine.client.mp import AsyncMPClient\n"
         "from tests.engine_proc_support import tiny_config\n"
         "import asyncio, pathlib\n"
         "c = AsyncMPClient(tiny_config(pathlib.Path(model)), MPClientOptions())\n"

@@ -12,7 +12,7 @@ import pytest
 
 from corefleet.engine.coordinator.fleet_client import FleetClient
 from corefleet.engine.coordinator.routing import make_policy
-from corefleet.engine.protocol import EngineCoreRequest, FinishReason
+from corefleet.engine.messages import EngineCoreRequest, FinishReason
 from tests.engine_proc_support import greedy, spawn_rank, until
 from tests.fixtures_models import write_tiny_llama
 

@@ -14,7 +14,7 @@ import pytest
 
 from corefleet.engine.coordinator.membership import RankMember, RankState
 from corefleet.engine.coordinator.server import FleetServer
-from corefleet.engine.protocol import EngineCoreOutputs, EngineCoreRequest, RequestType
+from corefleet.engine.messages import EngineCoreOutputs, EngineCoreRequest, RequestType
 from tests.engine_proc_support import greedy, run_with_processes, spawn_rank, until
 from tests.fixtures_models import write_tiny_llama
 

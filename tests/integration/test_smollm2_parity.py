@@ -8,10 +8,10 @@ from collections.abc import Iterator
 import pytest
 
 from corefleet.engine import LLM, SamplingParams
-from corefleet.engine.client import MPClientOptions
-from corefleet.engine.client_mp import AsyncMPClient, SyncMPClient
+from corefleet.engine.client.base import MPClientOptions
+from corefleet.engine.client.mp import AsyncMPClient, SyncMPClient
 from corefleet.engine.config import EngineConfig
-from corefleet.engine.protocol import EngineCoreRequest
+from corefleet.engine.messages import EngineCoreRequest
 from tests.integration.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def prompt_ids(smollm2_path: str) -> list[list[int]]:
-    from corefleet.engine.tokenizer import Tokenizer
+    from corefleet.engine.frontend.tokenizer import Tokenizer
 
     tok = Tokenizer.from_model_path(smollm2_path)
     return [tok.encode(p) for p in PROMPTS]

@@ -6,9 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 from corefleet.engine.config import CacheConfig, SchedulerConfig, SchedulingPolicy
-from corefleet.engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from corefleet.engine.core.scheduler import Scheduler
-from corefleet.engine.protocol import (
+from corefleet.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from corefleet.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     SamplingParams,

@@ -7,9 +7,9 @@ import sys
 
 SCRIPT = """
 import sys
-from corefleet.engine.coordinator import main
+from corefleet.engine.entrypoints import coordinator as main
 from corefleet.engine.models.loader import resolve_model_path
-from corefleet.engine.tokenizer import Tokenizer
+from corefleet.engine.frontend.tokenizer import Tokenizer
 
 tokenizer = Tokenizer.from_model_path(resolve_model_path(None))
 assert tokenizer.encode("hello"), "the tokenizer works"

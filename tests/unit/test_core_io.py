@@ -8,9 +8,8 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from corefleet.engine.core_io import InputThread, OutputItem, OutputThread
-from corefleet.engine.net import bound_address, make_socket
-from corefleet.engine.protocol import (
+from corefleet.engine.engine_core.io_threads import InputThread, OutputItem, OutputThread
+from corefleet.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -23,7 +22,8 @@ from corefleet.engine.protocol import (
     UtilityOutput,
 )
 from corefleet.engine.request import Request
-from corefleet.engine.serial import MsgpackDecoder, MsgpackEncoder
+from corefleet.engine.transport.serial import MsgpackDecoder, MsgpackEncoder
+from corefleet.engine.transport.sockets import bound_address, make_socket
 
 
 class Sink:

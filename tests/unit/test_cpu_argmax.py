@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corefleet.engine.protocol import SamplingParams
+from corefleet.engine.messages import SamplingParams
 from corefleet.engine.worker.sampler import Sampler
 from corefleet.engine.worker.sampling_metadata import SamplingMetadata
-from corefleet.kernels import cpu_attention
+from corefleet.kernels.cpu import backend as cpu_attention
 from tests.cpu_ops_support import load_cpu_ops_or_skip
 
 OPS = load_cpu_ops_or_skip()

@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from corefleet.kernels import cpu_attention, reference
+from corefleet.kernels import reference
 from corefleet.kernels.backend import TorchReferenceBackend, select_attention_backend
+from corefleet.kernels.cpu import backend as cpu_attention
 from corefleet.kernels.metadata import AttentionMetadata, PrefillSpan
 from tests.cpu_ops_support import load_cpu_ops_or_skip
 

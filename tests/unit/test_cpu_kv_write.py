@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corefleet.kernels import cpu_attention, reference
+from corefleet.kernels import reference
+from corefleet.kernels.cpu import backend as cpu_attention
 from tests.cpu_ops_support import load_cpu_ops_or_skip
 
 OPS = load_cpu_ops_or_skip()

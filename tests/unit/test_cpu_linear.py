@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corefleet.kernels import cpu_attention
+from corefleet.kernels.cpu import backend as cpu_attention
 from tests.cpu_ops_support import load_cpu_ops_or_skip
 
 OPS = load_cpu_ops_or_skip()

@@ -225,7 +225,7 @@ def test_resolve_module_colon_class() -> None:
     [
         "corefleet.engine.worker.no_such_module:NullExecutor",
         "corefleet.engine.worker.null_executor:NoSuchExecutor",
-        "corefleet.engine.net:HEARTBEAT_IVL_MS",  # importable, but not a class
+        "corefleet.engine.transport.sockets:HEARTBEAT_IVL_MS",  # importable, but not a class
     ],
 )
 def test_unresolvable_backend_names_the_value(backend: str) -> None:

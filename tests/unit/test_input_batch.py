@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from corefleet.engine.protocol import SamplingParams
+from corefleet.engine.messages import SamplingParams
 from corefleet.engine.worker.input_batch import InputBatch
 
 PARAMS = SamplingParams(max_tokens=8)

@@ -12,7 +12,7 @@ from corefleet.engine.core.block_pool import (
     KVCacheBlock,
 )
 from corefleet.engine.core.kv_cache import KVCacheManager, num_blocks_for_memory
-from corefleet.engine.protocol import SamplingParams
+from corefleet.engine.messages import SamplingParams
 from corefleet.engine.request import Request
 
 BS = 16

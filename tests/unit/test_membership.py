@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from corefleet.engine.coordinator.membership import Membership, RankState
-from corefleet.engine.protocol import (
+from corefleet.engine.messages import (
     PROTOCOL_VERSION,
     EngineStats,
     Hello,

@@ -12,8 +12,8 @@ import zmq
 import zmq.auth.thread
 from zmq.utils.monitor import recv_monitor_message
 
-from corefleet.engine import net
-from corefleet.engine.net import (
+from corefleet.engine.transport import sockets as net
+from corefleet.engine.transport.sockets import (
     CurveKeys,
     bound_address,
     handshake_address,

@@ -11,6 +11,7 @@ import pytest
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from corefleet.engine.messages import FinishReason
 from corefleet.engine.openai.errors import (
     SSE_DONE,
     ErrorResponse,
@@ -42,7 +43,6 @@ from corefleet.engine.openai.protocol import (
     to_sampling_params,
 )
 from corefleet.engine.openai.protocol import ChatCompletionChunk as ChatCompletionChunkModel
-from corefleet.engine.protocol import FinishReason
 
 try:  # the openai client moved from httpx to httpx2; mock the transport of whichever it uses
     import httpx2 as httpx

@@ -18,7 +18,7 @@ from corefleet.engine.coordinator.routing import (
     prefix_block_hashes,
 )
 from corefleet.engine.core.block_hash import make_block_hasher
-from corefleet.engine.protocol import SamplingParams
+from corefleet.engine.messages import SamplingParams
 from corefleet.engine.request import Request
 from corefleet.operator.spec import ROUTING_FLAGS
 

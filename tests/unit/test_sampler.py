@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corefleet.engine.protocol import SamplingParams
+from corefleet.engine.messages import SamplingParams
 from corefleet.engine.worker.sampler import Sampler, apply_penalties
 from corefleet.engine.worker.sampling_metadata import SamplingMetadata
 

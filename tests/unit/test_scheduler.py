@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from corefleet.engine.core.block_hash import hash_block_tokens
-from corefleet.engine.protocol import FinishReason
+from corefleet.engine.messages import FinishReason
 from corefleet.engine.request import RequestStatus
 from tests.unit.scheduler_helpers import (
     TOKEN,

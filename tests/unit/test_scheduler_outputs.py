@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from corefleet.engine.core.outputs import ModelRunnerOutput
 from corefleet.engine.core.scheduler import Scheduler
-from corefleet.engine.protocol import EngineCoreOutput, FinishReason, Logprobs
+from corefleet.engine.core.scheduler_output import ModelRunnerOutput
+from corefleet.engine.messages import EngineCoreOutput, FinishReason, Logprobs
 from corefleet.engine.request import Request, RequestStatus
 from tests.unit.scheduler_helpers import (
     EOS,

@@ -1,4 +1,4 @@
-"""Unit tests for the msgpack wire codec (engine/serial.py)."""
+"""Unit tests for the msgpack wire codec (engine/transport/serial.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import zmq
 
-from corefleet.engine.serial import ZERO_COPY_THRESHOLD, MsgpackDecoder, MsgpackEncoder
+from corefleet.engine.transport.serial import ZERO_COPY_THRESHOLD, MsgpackDecoder, MsgpackEncoder
 
 DECODE_ERRORS = (msgspec.MsgspecError, ValueError, TypeError)
 

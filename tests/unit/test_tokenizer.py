@@ -13,8 +13,8 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from corefleet.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
-from corefleet.engine.tokenizer import Tokenizer
+from corefleet.engine.frontend.detokenizer import IncrementalDetokenizer, check_stop_strings
+from corefleet.engine.frontend.tokenizer import Tokenizer
 from tests.fixtures_models import (
     BOS_TOKEN,
     EOS_TOKEN,

@@ -42,7 +42,7 @@ def test_tiny_model_chunks_small_blocks_and_preemption(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_smollm2_greedy_equals_hf(hf_smollm2, smollm2_path: str) -> None:  # type: ignore[no-untyped-def]
-    from corefleet.engine.tokenizer import Tokenizer
+    from corefleet.engine.frontend.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_path(smollm2_path)
     # A short, a long and a code prompt, in one batch: with a 32-token step budget the long

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from corefleet.kernels import backend as backend_module
-from corefleet.kernels import flash_attn_backend, triton_support
+from corefleet.kernels import flash_attn as flash_attn_backend
 from corefleet.kernels.backend import TorchReferenceBackend, select_attention_backend
-from corefleet.kernels.triton_backend import TritonBackend
+from corefleet.kernels.triton_ops import support as triton_support
+from corefleet.kernels.triton_ops.backend import TritonBackend
 from tests.kernel_cases import (
     assert_close,
     mixed_requests,

@@ -11,13 +11,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corefleet.kernels import (
-    reference,
-    triton_activation,
-    triton_attention,
-    triton_kv_cache,
-    triton_rms_norm,
-    triton_rotary,
+from corefleet.kernels import reference
+from corefleet.kernels.triton_ops import (
+    activation as triton_activation,
+)
+from corefleet.kernels.triton_ops import (
+    attention as triton_attention,
+)
+from corefleet.kernels.triton_ops import (
+    kv_cache as triton_kv_cache,
+)
+from corefleet.kernels.triton_ops import (
+    rms_norm as triton_rms_norm,
+)
+from corefleet.kernels.triton_ops import (
+    rotary as triton_rotary,
 )
 from tests.kernel_cases import (
     assert_close,

@@ -24,8 +24,7 @@ import msgspec
 import zmq
 import zmq.utils.monitor
 
-from corefleet.engine.net import CurveKeys, make_socket
-from corefleet.engine.protocol import (
+from corefleet.engine.messages import (
     PROTOCOL_VERSION,
     HandshakeMessage,
     Hello,
@@ -34,6 +33,7 @@ from corefleet.engine.protocol import (
     ReadyResponse,
     Refused,
 )
+from corefleet.engine.transport.sockets import CurveKeys, make_socket
 
 logger = logging.getLogger(__name__)
 

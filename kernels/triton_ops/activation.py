@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from corefleet.kernels.triton_support import (
+from corefleet.kernels.triton_ops.support import (
     check_launchable,
     interpreter_tile,
     is_interpreted,

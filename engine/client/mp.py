@@ -24,16 +24,15 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from corefleet.engine.client import (
+from corefleet.engine.client.base import (
     AsyncEngineCoreClient,
     EngineCoreClient,
     EngineDeadError,
     MPClientOptions,
 )
+from corefleet.engine.client.launcher import launch_engine
 from corefleet.engine.config import EngineConfig
-from corefleet.engine.handshake import describe_exit, rank_identity
-from corefleet.engine.launcher import launch_engine
-from corefleet.engine.protocol import (
+from corefleet.engine.messages import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -42,7 +41,8 @@ from corefleet.engine.protocol import (
     SchedulerStats,
     UtilityCall,
 )
-from corefleet.engine.serial import MsgpackDecoder, MsgpackEncoder
+from corefleet.engine.transport.handshake import describe_exit, rank_identity
+from corefleet.engine.transport.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
 

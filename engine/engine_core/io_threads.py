@@ -21,8 +21,7 @@ import msgspec
 import zmq
 import zmq.utils.monitor
 
-from corefleet.engine.net import CurveKeys, make_socket
-from corefleet.engine.protocol import (
+from corefleet.engine.messages import (
     ENGINE_CORE_DEAD,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -35,7 +34,8 @@ from corefleet.engine.protocol import (
     UtilityOutput,
 )
 from corefleet.engine.request import Request
-from corefleet.engine.serial import MsgpackDecoder, MsgpackEncoder
+from corefleet.engine.transport.serial import MsgpackDecoder, MsgpackEncoder
+from corefleet.engine.transport.sockets import CurveKeys, make_socket
 
 logger = logging.getLogger(__name__)
 

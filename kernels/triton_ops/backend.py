@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 
 from corefleet.kernels.metadata import AttentionMetadata
-from corefleet.kernels.triton_activation import silu_and_mul
-from corefleet.kernels.triton_attention import unified_attention
-from corefleet.kernels.triton_kv_cache import write_kv_cache
-from corefleet.kernels.triton_rms_norm import rms_norm
-from corefleet.kernels.triton_rotary import apply_rotary
+from corefleet.kernels.triton_ops.activation import silu_and_mul
+from corefleet.kernels.triton_ops.attention import unified_attention
+from corefleet.kernels.triton_ops.kv_cache import write_kv_cache
+from corefleet.kernels.triton_ops.rms_norm import rms_norm
+from corefleet.kernels.triton_ops.rotary import apply_rotary
 
 
 class TritonBackend:

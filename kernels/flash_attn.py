@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from corefleet.kernels.metadata import AttentionMetadata
-from corefleet.kernels.triton_backend import TritonBackend, require_block_tables
+from corefleet.kernels.triton_ops.backend import TritonBackend, require_block_tables
 
 FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_ATTN_PAGE_MULTIPLE = 256  # flash-attn 2: "paged KV cache block size must be divisible by 256"

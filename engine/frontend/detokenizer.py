@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from corefleet.engine.tokenizer import Tokenizer
+from corefleet.engine.frontend.tokenizer import Tokenizer
 
 __all__ = ["IncrementalDetokenizer", "check_stop_strings"]
 

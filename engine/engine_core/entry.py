@@ -8,8 +8,8 @@ import sys
 from types import FrameType
 
 from corefleet.engine.config import EngineConfig
-from corefleet.engine.core_proc import EngineCoreProc, EngineProcConfig
-from corefleet.engine.health import EngineState, HealthServer
+from corefleet.engine.engine_core.health import EngineState, HealthServer
+from corefleet.engine.engine_core.proc import EngineCoreProc, EngineProcConfig
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ Two sources, no transformers at run time:
   ``chat_template.json``);
 * a GGUF file: a byte-level BPE rebuilt from the metadata (see ``_gguf_backend``).
 
-Incremental detokenization for streaming lives in ``corefleet.engine.detokenizer``.
+Incremental detokenization for streaming lives in ``corefleet.engine.frontend.detokenizer``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Unified paged attention in Triton: one launch for a mixed batch of prefill chunks and decodes.
 
-Called by ``TritonBackend.paged_attention`` (``kernels/triton_backend.py``) after the step's new
+Called by ``TritonBackend.paged_attention`` (``kernels/triton_ops/backend.py``) after the step's new
 K/V have been written to the cache, so every key a query needs is in the paged cache and
 prefill chunks, prefix-cached prompts and decode tokens are one case: query ``j`` of a request
 with ``q_len`` new tokens and ``seq_len`` cached tokens sits at position ``seq_len - q_len + j``
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from corefleet.kernels.triton_support import (
+from corefleet.kernels.triton_ops.support import (
     check_launchable,
     interpreter_tile,
     is_interpreted,

@@ -29,12 +29,12 @@ from corefleet.engine.config import EngineConfig
 from corefleet.engine.coordinator.fleet_client import FleetClient
 from corefleet.engine.coordinator.routing import make_policy
 from corefleet.engine.engine_args import engine_argv_from_config
+from corefleet.engine.frontend.tokenizer import Tokenizer
 from corefleet.engine.models.default_model import served_model_name
 from corefleet.engine.models.loader import resolve_model_path
-from corefleet.engine.net import load_curve_keys
 from corefleet.engine.openai.api_server import ServerState, build_app
 from corefleet.engine.openai.metrics import ServingMetrics
-from corefleet.engine.tokenizer import Tokenizer
+from corefleet.engine.transport.sockets import load_curve_keys
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import dataclasses
 import torch
 
 from corefleet.kernels import reference
-from corefleet.kernels.cpu_ops import load_cpu_ops
+from corefleet.kernels.cpu.build import load_cpu_ops
 from corefleet.kernels.metadata import AttentionMetadata
 
 

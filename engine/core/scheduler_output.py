@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from corefleet.engine.protocol import Logprobs, SamplingParams
+from corefleet.engine.messages import Logprobs, SamplingParams
 
 
 @dataclass

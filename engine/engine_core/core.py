@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 from corefleet.engine.config import EngineConfig
 from corefleet.engine.core.block_hash import make_block_hasher
 from corefleet.engine.core.scheduler import Scheduler
+from corefleet.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from corefleet.engine.models.loader import load_arch_config, resolve_model_path
-from corefleet.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from corefleet.engine.request import Request, RequestStatus
 from corefleet.engine.worker.executor import resolve_executor_class
 

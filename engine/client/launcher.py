@@ -20,9 +20,14 @@ import zmq.auth.thread
 
 from corefleet.engine.config import EngineConfig
 from corefleet.engine.engine_args import engine_argv_from_config
-from corefleet.engine.handshake import HandshakeServer
-from corefleet.engine.net import bound_address, load_curve_keys, make_socket, start_authenticator
-from corefleet.engine.protocol import ReadyResponse
+from corefleet.engine.messages import ReadyResponse
+from corefleet.engine.transport.handshake import HandshakeServer
+from corefleet.engine.transport.sockets import (
+    bound_address,
+    load_curve_keys,
+    make_socket,
+    start_authenticator,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,9 @@ from typing import Any, Literal
 import zmq
 
 from corefleet.engine.config import EngineConfig
-from corefleet.engine.core_io import (
+from corefleet.engine.engine_core.core import EngineCore, is_utility
+from corefleet.engine.engine_core.health import EngineState, HealthServer
+from corefleet.engine.engine_core.io_threads import (
     STATS_NOW,
     InputItem,
     InputThread,
@@ -34,12 +36,7 @@ from corefleet.engine.core_io import (
     OutputThread,
     error_outputs,
 )
-from corefleet.engine.engine_core import EngineCore, is_utility
-from corefleet.engine.handshake import connect_handshake, own_hello, rank_identity, send_ready
-from corefleet.engine.health import EngineState, HealthServer
-from corefleet.engine.models.default_model import served_model_name
-from corefleet.engine.net import CurveKeys
-from corefleet.engine.protocol import (
+from corefleet.engine.messages import (
     ENGINE_CORE_DEAD,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -51,7 +48,15 @@ from corefleet.engine.protocol import (
     UtilityCall,
     UtilityOutput,
 )
+from corefleet.engine.models.default_model import served_model_name
 from corefleet.engine.request import Request, RequestStatus
+from corefleet.engine.transport.handshake import (
+    connect_handshake,
+    own_hello,
+    rank_identity,
+    send_ready,
+)
+from corefleet.engine.transport.sockets import CurveKeys
 
 logger = logging.getLogger(__name__)
 
