@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from corefleet.engine import envs
+from corefleet.engine.config import CacheConfig
 from corefleet.engine.engine_args import add_engine_args, engine_kwargs_from_args
 from corefleet.engine.messages import SamplingParams
 
@@ -23,6 +24,7 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``corefleet`` parser; use :func:`parse_args`, which also resolves ``serve MODEL``."""
     parser = argparse.ArgumentParser(
         prog="corefleet",
         description="corefleet: LLM inference engine and Kubernetes fleet. "
@@ -90,7 +92,15 @@ def _serve_parsers(sub: argparse._SubParsersAction) -> None:
         "serve",
         help="the OpenAI-compatible API over N local engine ranks (one machine)",
         description="Start the coordinator (OpenAI-compatible HTTP API) and N engine-core "
-        "processes on this machine. Without --model, serves the embedded SmolLM2.",
+        "processes on this machine. Without MODEL (or --model), serves the embedded SmolLM2.",
+    )
+    # vLLM's `vllm serve MODEL`; parse_args() moves it into --model's place.
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="Hugging Face folder or .gguf file to serve (the same as --model)",
     )
     serve.add_argument(
         "--data-parallel-size", type=int, default=1, help="local engine ranks (default 1)"
@@ -108,7 +118,12 @@ def _serve_parsers(sub: argparse._SubParsersAction) -> None:
     )
     coord.add_argument("--model", default=None, help="model path (for its tokenizer)")
     coord.add_argument("--served-model-name", default=None)
-    coord.add_argument("--block-size", type=int, default=16, help="the ranks' KV block size")
+    coord.add_argument(
+        "--block-size",
+        type=int,
+        default=CacheConfig().block_size,
+        help="the ranks' KV block size",
+    )
     coord.add_argument(
         "--advertise-host", default=None, help="address ranks reach us at (default: POD_IP)"
     )
@@ -170,8 +185,27 @@ def _engine_core_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(core)
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse a ``corefleet`` command line; ``serve MODEL`` sets ``args.model``.
+
+    Giving both ``MODEL`` and ``--model`` is allowed only when they agree.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            parser.error(
+                f"{args.command}: the positional MODEL {tag!r} and --model {args.model!r} "
+                "differ; give the model once"
+            )
+        args.model = tag
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run a ``corefleet`` command; returns the exit code (2 for a bad argument)."""
+    args = parse_args(argv)
     logging.basicConfig(
         level=envs.log_level(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

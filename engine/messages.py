@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -21,15 +22,15 @@ ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 
 
 class RequestType(bytes, enum.Enum):
-    """One-byte type prefix of every client->engine frame."""
+    """One-byte type prefix of every client->engine frame.
+
+    Only what a client may send: the engine's own queue markers live apart (``EngineSignal``
+    in ``engine_core``), so no byte a client sends can turn into one of them.
+    """
 
     ADD = b"\x00"
     ABORT = b"\x01"
     UTILITY = b"\x03"
-    # Internal sentinels, never sent by clients.
-    EXECUTOR_FAILED = b"\x04"
-    WAKEUP = b"\x05"
-    COORDINATOR_LOST = b"\x06"  # the input connection dropped: handshake again
 
 
 class FinishReason(enum.IntEnum):
@@ -70,10 +71,6 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logprobs: int | None = None  # number of top logprobs per generated token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < 1e-5
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` naming the first out-of-range parameter."""
@@ -127,6 +124,28 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 def _check(ok: bool, field: str, value: object, rule: str) -> None:
     if not ok:
         raise ValueError(f"invalid sampling parameter {field}={value!r}: {rule}")
+
+
+def validate_prompt(prompt_token_ids: Sequence[int], max_model_len: int, vocab_size: int) -> None:
+    """Raise ``ValueError`` when an engine cannot serve this prompt, with one message per fault.
+
+    The frontends call it to refuse a prompt before anything is queued; the engine calls it
+    again on every request it receives, because a wire client need not have gone through one.
+    """
+    num_prompt = len(prompt_token_ids)
+    if num_prompt == 0:
+        raise ValueError("the prompt is empty: at least one token is required")
+    if num_prompt >= max_model_len:  # equal: the sampled token would have no position left
+        raise ValueError(
+            f"the prompt has {num_prompt} tokens but the model's maximum context length "
+            f"(max_model_len) is {max_model_len}: a prompt may have at most "
+            f"{max_model_len - 1} tokens, to leave room for the output"
+        )
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(
+            f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab_size})"
+        )
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

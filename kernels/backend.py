@@ -1,23 +1,26 @@
-"""The one place the kernel implementations are chosen (once, at start-up).
+"""The kernel backend interface, its torch implementation, and the one place a backend is chosen.
 
 The model code calls ``backend.linear``, ``backend.rms_norm``, ``backend.write_kv_cache``,
-``backend.paged_attention`` and the rest of the protocol below, and never branches on which
-backend it got. Backends:
+``backend.paged_attention`` and the rest of ``KernelBackend``'s methods, and never branches on
+which backend it got. ``KernelBackend`` itself is the ``torch`` backend: every method in
+readable torch (``reference.py``), the oracle the others are tested against and correct on any
+device. The other backends subclass it and override only what they accelerate:
 
-- ``torch``: ``reference.py``, readable torch; the oracle, and correct on any device.
-- ``cpu``: the C++ CPU ops (``cpu_attention.py``), the CPU default.
-- ``triton``: Triton kernels (``triton_backend.py``); on CUDA, or on CPU under
+- ``cpu``: the C++ CPU ops (``cpu/backend.py``), the CPU default.
+- ``triton``: Triton kernels (``triton_ops/backend.py``); on CUDA, or on CPU under
   ``TRITON_INTERPRET=1`` (tests).
-- ``flash-attn``: flash-attn's varlen paged kernel for attention, Triton for the rest.
+- ``flash-attn``: flash-attn's varlen paged kernel for attention, Triton for the rest
+  (``flash_attn.py``).
 
-Triton and flash-attn are imported only when selected, so the engine runs without them.
+``select_kernel_backend`` resolves ``--attention-backend`` (vLLM's name for the flag) once, at
+start-up. Triton and flash-attn are imported only when selected, so the engine runs without
+them.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar
 
 import torch
 
@@ -27,64 +30,18 @@ from corefleet.kernels.metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 
-class AttentionBackend(Protocol):
-    """What a kernel backend provides: paged attention and the linear layers' matmul."""
+class KernelBackend:
+    """Every kernel the model and the sampler call, as readable torch: the ``torch`` backend.
 
-    @property
-    def name(self) -> str: ...
+    Subclasses override only the methods they accelerate, keeping each method's contract
+    (shapes, dtypes, numerics within the tests' tolerances); inputs their kernels do not take
+    they hand back to these implementations through ``super()``.
+    """
 
-    @property
-    def needs_block_tables(self) -> bool:
-        """True: attention reads ``AttentionMetadata.block_tables``/``seq_lens``/
-        ``query_start_loc``; False: the torch path's decode tables, masks and prefill spans."""
-        ...
-
-    def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor: ...
-
-    def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def apply_rotary(
-        self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
-
-    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[B, V]`` -> ``[B]`` int64 with ``torch.argmax(dim=-1)``'s semantics (the first
-        maximum; a row's first NaN wins): greedy sampling and the random draw end in one."""
-        ...
-
-    def write_kv_cache(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None: ...
-
-    def paged_attention(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor: ...
-
-
-@dataclass(frozen=True)
-class TorchReferenceBackend:
-    """The readable torch implementation; the CPU path."""
-
-    name: str = "torch"
-    needs_block_tables: bool = False
+    name: ClassVar[str] = "torch"
+    # True: attention reads ``AttentionMetadata.block_tables``/``seq_lens``/``query_start_loc``
+    # (the model runner builds them); False: the torch path's decode tables and prefill spans.
+    needs_block_tables: ClassVar[bool] = False
 
     def linear(
         self,
@@ -92,6 +49,7 @@ class TorchReferenceBackend:
         weight: torch.Tensor,  # [N, K]
         bias: torch.Tensor | None,  # [N]
     ) -> torch.Tensor:  # [T, N]
+        """``x @ weight.T + bias``: every linear layer's matmul, the LM head's included."""
         return torch.nn.functional.linear(x, weight, bias)
 
     def rms_norm(
@@ -101,6 +59,11 @@ class TorchReferenceBackend:
         eps: float,
         residual: torch.Tensor | None,  # [T, H]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # normed, new residual: [T, H]
+        """RMSNorm of ``x + residual`` (or of ``x``); returns (normed, the new residual).
+
+        Rounds where ``reference.rms_norm`` rounds (statistics in float32, the normed value
+        cast to the dtype before the weight multiply, as Hugging Face's Llama).
+        """
         return reference.rms_norm(x, weight, eps, residual)
 
     def apply_rotary(
@@ -109,56 +72,67 @@ class TorchReferenceBackend:
         key: torch.Tensor,  # [T, Hkv, D]
         cos: torch.Tensor,  # [T, 1, D]
         sin: torch.Tensor,  # [T, 1, D]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # rotated query [T, Hq, D], key [T, Hkv, D]
+        """GPT-NeoX "rotate half" rotary embedding of query and key by their positions' angles.
+
+        A backend may rotate ``query`` and ``key`` in place (they are fresh projections) and
+        return them: callers use the returned tensors and never the inputs again.
+        """
         return reference.apply_rotary(query, key, cos, sin)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+        """SwiGLU on the fused gate/up projection: ``silu(x[:, :I]) * x[:, I:]``."""
         return reference.silu_and_mul(x)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
+        """Row-wise argmax with ``torch.argmax(dim=-1)``'s semantics (the first maximum; a
+        row's first NaN wins): greedy sampling and the random draw both end in one."""
         return logits.argmax(dim=-1)
 
     def write_kv_cache(
         self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        slot_mapping: torch.Tensor,  # [T] int64: block * block_size + offset per token
     ) -> None:
+        """Store each new token's K and V at its cache slot (before attention reads them)."""
         reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
     def paged_attention(
         self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        query: torch.Tensor,  # [T, Hq, D]
+        key: torch.Tensor,  # [T, Hkv, D] the new tokens' keys (already in the cache too)
+        value: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Causal attention of every new token of the step (decode rows and prefill chunks)
+        over its request's cached and new tokens, GQA included."""
         return reference.paged_attention(query, key, value, k_cache, v_cache, meta, scale)
 
 
-def select_attention_backend(
+def select_kernel_backend(
     requested: str,
     device: torch.device,
     *,
     dtype: torch.dtype | None = None,
     block_size: int | None = None,
-) -> AttentionBackend:
+) -> KernelBackend:
     """Resolve ``--attention-backend`` (auto|torch|cpu|triton|flash-attn) for ``device``.
 
     auto on CUDA: flash-attn if importable and it fits ``dtype`` and ``block_size`` (see
-    ``flash_attn_backend``), else Triton if importable, else the torch reference. auto on the
-    CPU: the C++ ops ("cpu"), falling back to the torch reference (with a warning) when they
-    cannot be built here.
+    ``flash_attn.flash_attn_unfit_reason``), else Triton if importable, else the torch
+    reference. auto on the CPU: the C++ ops ("cpu"), falling back to the torch reference (with
+    a warning) when they cannot be built here.
 
     Raises:
         ValueError: an explicit choice that cannot run here, with the reason and what to use.
     """
-    backend: AttentionBackend
+    backend: KernelBackend
     if requested == "auto" and device.type == "cpu":
         backend = _cpu_backend_or_reference()
     elif requested == "auto":
@@ -171,15 +145,15 @@ def select_attention_backend(
 
 def _build(
     name: str, device: torch.device, dtype: torch.dtype | None, block_size: int | None
-) -> AttentionBackend:
+) -> KernelBackend:
     if name == "torch":
-        return TorchReferenceBackend()
+        return KernelBackend()
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError(f"attention backend 'cpu' needs a CPU device, got {device}")
-        from corefleet.kernels.cpu import backend as cpu_attention  # imported only when asked for
+        from corefleet.kernels.cpu import backend as cpu_backend  # imported only when asked for
 
-        return cpu_attention.CpuPagedAttentionBackend()
+        return cpu_backend.CpuBackend()
     if name == "triton":
         _check_triton(device)
         from corefleet.kernels.triton_ops.backend import TritonBackend
@@ -213,20 +187,20 @@ def _check_triton(device: torch.device) -> None:
         raise ValueError(f"attention backend 'triton' needs a CUDA device, got {device}")
 
 
-def _cpu_backend_or_reference() -> AttentionBackend:
-    # Building the C++ op needs ninja and a compiler; a machine without them still runs, on
+def _cpu_backend_or_reference() -> KernelBackend:
+    # Building the C++ ops needs ninja and a compiler; a machine without them still runs, on
     # the slower but dependency-free reference.
     try:
-        from corefleet.kernels.cpu import backend as cpu_attention
+        from corefleet.kernels.cpu import backend as cpu_backend
 
-        return cpu_attention.CpuPagedAttentionBackend()
+        return cpu_backend.CpuBackend()
     except Exception as exc:  # any build or load failure: fall back rather than not start
         logger.warning(
-            "C++ CPU attention unavailable (%s: %s); using the torch reference backend",
+            "C++ CPU ops unavailable (%s: %s); using the torch reference backend",
             type(exc).__name__,
             exc,
         )
-        return TorchReferenceBackend()
+        return KernelBackend()
 
 
 def _best_cuda_backend(

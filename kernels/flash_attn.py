@@ -1,13 +1,13 @@
 """The flash-attn backend: FlashAttention's varlen paged kernel for attention, Triton for the rest.
 
-Chosen by ``select_attention_backend`` (``--attention-backend flash-attn``, or ``auto`` on CUDA
+Chosen by ``select_kernel_backend`` (``--attention-backend flash-attn``, or ``auto`` on CUDA
 when the ``flash_attn`` package imports and the engine's settings fit it). One
 ``flash_attn_varlen_func`` call covers the whole mixed batch: ``block_table`` points it at the
 paged cache, ``cu_seqlens_q`` splits the flattened query rows by request, and ``causal=True``
 aligns each request's mask to the bottom right (query ``j`` of ``q_len`` sees the keys up to
 position ``seq_len - q_len + j``), exactly the engine's contract.
 
-Limits of flash-attn 2's paged path, checked at start-up (``check_flash_attn``): float16 or
+Limits of flash-attn 2's paged path, checked at start-up (``flash_attn_unfit_reason``): float16 or
 bfloat16 only, and a KV block size that is a multiple of 256 tokens.
 """
 
@@ -52,13 +52,11 @@ def flash_attn_unfit_reason(
 class FlashAttnBackend(TritonBackend):
     """flash-attn's ``flash_attn_varlen_func`` over block tables; the Triton layer kernels."""
 
+    name = "flash-attn"
+
     def __init__(self) -> None:
         module: Any = importlib.import_module("flash_attn")
         self._varlen = module.flash_attn_varlen_func
-
-    @property
-    def name(self) -> str:
-        return "flash-attn"
 
     def paged_attention(
         self,

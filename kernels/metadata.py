@@ -3,7 +3,7 @@
 Batch layout: the flattened token batch holds the *decode-like* requests first (one new token
 each), then the requests that compute several tokens this step (prefill chunks).
 
-Two sets of fields, filled for the backend in use (``AttentionBackend.needs_block_tables``):
+Two sets of fields, filled for the backend in use (``KernelBackend.needs_block_tables``):
 the torch path takes precomputed gathers (decode rows attended to in one padded, vectorised
 call; multi-token rows one request at a time), and the C++ CPU kernel the same step as token
 rows (every new token with its request's block table and its own length, all in one call);

@@ -1,4 +1,5 @@
-"""Readable torch implementations: the test oracle for every kernel and the CPU path.
+"""Readable torch implementations: the test oracle for every kernel, and what
+``backend.KernelBackend`` (the ``torch`` backend, and every backend's fallback) runs.
 
 KV cache layout (per layer): ``k_cache`` and ``v_cache`` are ``[num_blocks, block_size,
 num_kv_heads, head_dim]``; token slot ``s`` lives at block ``s // block_size``, offset
@@ -72,7 +73,8 @@ def _decode_attention(
     num_q_heads = query.shape[1]
     group = num_q_heads // num_kv_heads
     context = num_blocks * block_size
-    # index_select over whole blocks is a row memcpy; advanced indexing is ~2.5x slower here.
+    # index_select over whole blocks is a row memcpy; advanced indexing is slower (the
+    # figures are in docs/kernels.md).
     flat_ids = block_table.reshape(-1)
     keys = torch.index_select(k_cache.view(total_blocks, -1), 0, flat_ids)
     values = torch.index_select(v_cache.view(total_blocks, -1), 0, flat_ids)
@@ -100,8 +102,8 @@ def _prefill_attention(
     span: PrefillSpan,
     scale: float,
 ) -> torch.Tensor:  # [Tq, Hq, D]
-    # 4-D [1, H, T, D] inputs: for 3-D ones torch's CPU SDPA takes its unfused math path
-    # (~2x slower here); with a batch dimension it runs the fused flash kernel, GQA included.
+    # 4-D [1, H, T, D] inputs: for 3-D ones torch's CPU SDPA takes its slower unfused math
+    # path; with a batch dimension it runs the fused flash kernel, GQA included.
     q = query.transpose(0, 1).unsqueeze(0)  # [1, Hq, Tq, D]
     if span.context_slots is None:
         # Nothing cached before this chunk: plain causal attention over the new tokens.

@@ -15,12 +15,12 @@ Rules, in the order they are applied:
    recreated; repeated failures of the same rank back off exponentially.
 4. Missing ranks below dataParallelSize are created (pod names are fixed, so a rank whose old pod
    is still terminating waits for it to go).
-5. Rolling update: ranks created from an older spec are replaced one at a time, highest rank
+5. Ranks carry autoscaler do-not-disrupt annotations exactly while they are not Ready (loading).
+6. Rolling update: ranks created from an older spec are replaced one at a time, highest rank
    first, each only after every current-spec rank is Ready. A rank that is not Ready gates the
    rollout for at most progressDeadlineSeconds (the escape hatch: a crash-looping rank cannot
    deadlock a rollout). Outdated ranks that are not Ready anyway are replaced at once: they serve
    nothing, and a fixed spec must be able to replace a broken one.
-6. Ranks carry autoscaler do-not-disrupt annotations exactly while they are not Ready (loading).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def plan(
     policy: Policy = Policy(),
     keys: CurveKeys | None = None,
 ) -> Plan:
-    """Compute the actions for one engine.
+    """Compute the actions for one engine: the module docstring's rules, in its order.
 
     Args:
         owner: the InferenceEngine's identity (children get owner references to it).
@@ -169,14 +169,35 @@ def plan(
         policy: operator timing knobs.
         keys: fresh CURVE keys, used only if the Secret is missing (pure: no randomness here).
     """
-    actions = _children_actions(owner, spec, observed, keys)
+    size = spec.data_parallel_size
     want = spec_hash(engine_pod_template(owner.name, spec))
-    size, pods = spec.data_parallel_size, observed.pods
-    replacements = {r: c for r, c in observed.replacements.items() if r < size}
-    live = {r: p for r, p in pods.items() if not podlib.is_terminating(p)}
+    # A terminating pod already goes away: only rule 4 looks at it (its name is still taken).
+    live = {r: p for r, p in observed.pods.items() if not podlib.is_terminating(p)}
+    active = {r: p for r, p in live.items() if r < size and not podlib.is_finished(p)}
+    actions = _children_actions(owner, spec, observed, keys)
+    actions += _scale_down(owner.name, live, size)
+    replaced, replacements = _replace_failed(
+        owner.name, live, size, observed.replacements, now, policy
+    )
+    actions += replaced
+    actions += _create_missing(owner, spec, observed.pods)
+    actions += _guard_loading(owner.name, active)
+    rollout = _rolling_update(owner.name, spec, live, active, want, now)
+    actions += rollout.actions
+    return Plan(
+        actions=tuple(actions),
+        replacements=replacements,
+        desired_hash=want,
+        waiting_for=rollout.waiting_for,
+        deadline_exceeded=rollout.deadline_exceeded,
+    )
 
-    for rank in sorted((r for r in live if r >= size), reverse=True):  # 2. scale down
-        name = engine_pod_name(owner.name, rank)
+
+def _scale_down(engine: str, live: Mapping[int, podlib.Pod], size: int) -> list[Action]:
+    """Rule 2: delete the ranks at or above ``size``, highest first, guarding each that runs."""
+    actions = []
+    for rank in sorted((r for r in live if r >= size), reverse=True):
+        name = engine_pod_name(engine, rank)
         if not podlib.is_finished(live[rank]):
             actions.append(_guard(name, True, "DrainGuard"))
         actions.append(
@@ -189,8 +210,26 @@ def plan(
                 f"rank {rank} removed by scale-down to {size}; it drains",
             )
         )
+    return actions
 
-    for rank in sorted(r for r in live if r < size and podlib.is_finished(live[r])):  # 3.
+
+def _replace_failed(
+    engine: str,
+    live: Mapping[int, podlib.Pod],
+    size: int,
+    counts: Mapping[int, int],
+    now: datetime.datetime,
+    policy: Policy,
+) -> tuple[list[Action], dict[int, int]]:
+    """Rule 3: delete the finished pods of ranks below ``size`` once their back-off has passed.
+
+    ``counts`` are the replacements in a row per rank, from the status. Returns the actions and
+    the new counts: one more for each rank replaced now, none for a rank that is Ready again
+    (its streak is over) or at or above ``size``.
+    """
+    replacements = {r: c for r, c in counts.items() if r < size}
+    actions = []
+    for rank in sorted(r for r in live if r < size and podlib.is_finished(live[r])):
         failures = replacements.get(rank, 0)
         if podlib.age_seconds(live[rank], now) >= _backoff(policy, failures):
             replacements[rank] = failures + 1
@@ -198,63 +237,88 @@ def plan(
                 Action(
                     "delete",
                     "Pod",
-                    engine_pod_name(owner.name, rank),
+                    engine_pod_name(engine, rank),
                     None,
                     "RankFailedReplaced",
                     f"rank {rank} pod failed; replacing it (attempt {failures + 1})",
                 )
             )
-
-    for rank in range(size):  # 4. missing ranks
-        if rank not in pods:
-            actions.append(
-                Action(
-                    "create",
-                    "Pod",
-                    engine_pod_name(owner.name, rank),
-                    build_engine_pod(owner, spec, rank),
-                    "RankCreated",
-                    f"rank {rank} created",
-                )
-            )
-
-    active = {r: p for r, p in live.items() if r < size and not podlib.is_finished(p)}
-    for rank, pod in sorted(active.items()):  # 6. disruption guard follows readiness
-        guarded = (pod.get("metadata", {}).get("annotations") or {}).get(DO_NOT_DISRUPT) == "true"
-        if podlib.is_ready(pod) == guarded:
-            name = engine_pod_name(owner.name, rank)
-            actions.append(
-                _guard(
-                    name, not podlib.is_ready(pod), "LoadGuard" if guarded is False else "RankReady"
-                )
-            )
-        if podlib.is_ready(pod):
+    for rank, pod in live.items():
+        if rank < size and not podlib.is_finished(pod) and podlib.is_ready(pod):
             replacements.pop(rank, None)
+    return actions, replacements
 
+
+def _create_missing(owner: Owner, spec: EngineSpec, pods: Mapping[int, podlib.Pod]) -> list[Action]:
+    """Rule 4: create the ranks below dataParallelSize that have no pod, terminating or not."""
+    return [
+        Action(
+            "create",
+            "Pod",
+            engine_pod_name(owner.name, rank),
+            build_engine_pod(owner, spec, rank),
+            "RankCreated",
+            f"rank {rank} created",
+        )
+        for rank in range(spec.data_parallel_size)
+        if rank not in pods
+    ]
+
+
+def _guard_loading(engine: str, active: Mapping[int, podlib.Pod]) -> list[Action]:
+    """Rule 5: guard each active rank from autoscaler disruption exactly while it is not Ready."""
+    actions = []
+    for rank, pod in sorted(active.items()):
+        ready = podlib.is_ready(pod)
+        guarded = (pod.get("metadata", {}).get("annotations") or {}).get(DO_NOT_DISRUPT) == "true"
+        if ready == guarded:
+            name = engine_pod_name(engine, rank)
+            actions.append(_guard(name, not ready, "RankReady" if guarded else "LoadGuard"))
+    return actions
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rollout:
+    """What rule 6 decided: its deletions and what the status reports about the rollout."""
+
+    actions: list[Action]
+    waiting_for: int | None
+    deadline_exceeded: tuple[int, ...]
+
+
+def _rolling_update(
+    engine: str,
+    spec: EngineSpec,
+    live: Mapping[int, podlib.Pod],
+    active: Mapping[int, podlib.Pod],
+    want: str,
+    now: datetime.datetime,
+) -> _Rollout:
+    """Rule 6: replace the ranks of an older spec (pod hash other than ``want``).
+
+    The highest outdated rank goes once no rank is missing and every current-spec rank is Ready
+    or past its progress deadline; outdated ranks that are not Ready all go at once.
+    """
     current = {r: p for r, p in active.items() if podlib.pod_hash(p) == want}
     unready = [r for r, p in current.items() if not podlib.is_ready(p)]
     late = tuple(
         r for r in unready if podlib.age_seconds(current[r], now) >= spec.progress_deadline_seconds
     )
-    waiting = [r for r in range(size) if r not in live] + [r for r in unready if r not in late]
+    missing = [r for r in range(spec.data_parallel_size) if r not in live]
+    waiting = missing + [r for r in unready if r not in late]
     outdated = sorted((r for r in active if r not in current), reverse=True)
     broken = [r for r in outdated if not podlib.is_ready(active[r])]
     replace = broken or (outdated[:1] if not waiting else [])
-    for rank in replace:  # 5. rolling update
-        actions.append(
-            Action(
-                "delete",
-                "Pod",
-                engine_pod_name(owner.name, rank),
-                None,
-                "RankReplaced",
-                f"rank {rank} replaced by the rolling update",
-            )
+    actions = [
+        Action(
+            "delete",
+            "Pod",
+            engine_pod_name(engine, rank),
+            None,
+            "RankReplaced",
+            f"rank {rank} replaced by the rolling update",
         )
-    return Plan(
-        actions=tuple(actions),
-        replacements=replacements,
-        desired_hash=want,
-        waiting_for=min(waiting) if waiting and outdated and not broken else None,
-        deadline_exceeded=late,
-    )
+        for rank in replace
+    ]
+    waiting_for = min(waiting) if waiting and outdated and not broken else None
+    return _Rollout(actions, waiting_for, late)

@@ -8,27 +8,17 @@ from typing import Any
 
 from corefleet.engine.client.base import EngineCoreClient
 from corefleet.engine.config import EngineConfig
-from corefleet.engine.engine_core.core import EngineCore, is_utility
-from corefleet.engine.messages import EngineCoreOutputs, EngineCoreRequest, ReadyResponse
-from corefleet.engine.models.default_model import served_model_name
+from corefleet.engine.engine_core.core import EngineCore
+from corefleet.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from corefleet.engine.worker.executor import ExecutorFactory
 
 
 class InprocClient(EngineCoreClient):
     """The engine in this process: ``get_output`` runs one step."""
 
-    def __init__(self, config: EngineConfig, executor_class: type | None = None) -> None:
+    def __init__(self, config: EngineConfig, executor_class: ExecutorFactory | None = None) -> None:
         self.engine = EngineCore(config, executor_class)
-        self.engine_info = ReadyResponse(
-            rank=0,
-            max_model_len=self.engine.max_model_len,
-            num_gpu_blocks=self.engine.num_blocks,
-            block_size=config.cache.block_size,
-            kv_cache_size_tokens=(self.engine.num_blocks - 1) * config.cache.block_size,
-            vocab_size=self.engine.vocab_size,
-            model_name=served_model_name(
-                config.model.served_model_name, config.model.model, self.engine.model_path
-            ),
-        )
+        self.engine_info = self.engine.make_ready_response(rank=0)
         self._buffered: deque[EngineCoreOutputs] = deque()  # stepped while a utility waited
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -45,11 +35,7 @@ class InprocClient(EngineCoreClient):
         return outputs.get(0) or EngineCoreOutputs()
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        target = None if method.startswith("_") else getattr(self.engine, method, None)
-        if not is_utility(target):
-            raise RuntimeError(f"unknown utility method {method!r}")
-        assert target is not None
-        result = target(*args)
+        result = self.engine.get_utility(method)(*args)  # UnknownUtilityError: a RuntimeError
         if isinstance(result, Future):
             while not result.done():  # nobody else steps this engine: step until it resolves
                 outputs, _ = self.engine.step()

@@ -1,6 +1,6 @@
 """Who is in the fleet: the coordinator's record of ranks, as a pure state machine.
 
-Membership is dynamic (DESIGN.md §3): ranks join at any time (HELLO → INIT → ReadyResponse →
+Membership is dynamic: ranks join at any time (HELLO → INIT → ReadyResponse →
 READY), leave (they drain, then their process exits), die (ENGINE_CORE_DEAD, or silence past
 the heartbeat timeout) and rejoin. A HELLO for a rank that is still registered replaces the old
 incarnation when the old one is evidently gone — declared dead already, or the same pod

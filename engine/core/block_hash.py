@@ -36,7 +36,11 @@ def hash_block_tokens(
 
 
 def make_block_hasher(block_size: int) -> BlockHasher:
-    """Return the callback that extends ``Request.block_hashes`` with newly full blocks."""
+    """Return the callback that extends ``Request.block_hashes`` with newly full blocks.
+
+    An engine has one: the scheduler builds it (``Scheduler.block_hasher``, None without prefix
+    caching) and the engine builds every ``Request`` with that one.
+    """
     return ChainedBlockHasher(block_size)
 
 

@@ -8,7 +8,7 @@ reuse them instead of recomputing.
 
 from __future__ import annotations
 
-from corefleet.engine.core.block_hash import BlockHash, make_block_hasher
+from corefleet.engine.core.block_hash import BlockHash
 from corefleet.engine.core.block_pool import BlockPool, KVCacheBlock
 from corefleet.engine.request import Request
 
@@ -17,7 +17,6 @@ __all__ = [
     "BlockPool",
     "KVCacheBlock",
     "KVCacheManager",
-    "make_block_hasher",
     "num_blocks_for_memory",
 ]
 

@@ -27,18 +27,11 @@ from corefleet.engine.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from corefleet.engine.core.stop import append_and_check, check_appended_token
-from corefleet.engine.messages import (
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    SchedulerStats,
-)
+from corefleet.engine.core.step_loops import NO_BLOCKS, collect_outputs, schedule_decodes
+from corefleet.engine.messages import EngineCoreOutputs, SchedulerStats
 from corefleet.engine.request import BlockHasher, Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
-# Shared by every request that gets no new block in a step (most decode steps): consumers only
-# read it, and one shared list saves an allocation per request per step.
-_NO_BLOCKS: list[int] = []
 
 
 class Scheduler:
@@ -177,47 +170,27 @@ class Scheduler:
     ) -> tuple[CachedRequestData, int, bool]:
         """Give running requests their tokens, preempting when blocks run out.
 
+        Requests are served in order. Runs of plain decodes go through the fast path; each
+        request it stops at (a prefill chunk, a request at its length limit, a decode whose new
+        block is not free) goes through the general path here, which preempts until it fits.
         Returns the request data, the token budget left and whether anything was preempted.
         """
-        kv = self.kv_cache_manager
         running = self.running
+        kv = self.kv_cache_manager
         max_model_len = self.max_model_len
         token_budget = self.max_num_scheduled_tokens
         scheduled = CachedRequestData()
-        # Bound methods and locals: this loop runs for every running request every step.
-        add_id, add_blocks = scheduled.req_ids.append, scheduled.new_block_ids.append
-        add_computed = scheduled.num_computed_tokens.append
-        block_size = kv.block_size
         preempted = False
         req_index = 0
-        while req_index < len(running) and token_budget > 0:
+        while True:
+            req_index, token_budget = schedule_decodes(
+                running, req_index, token_budget, scheduled, num_scheduled, kv, max_model_len
+            )
+            if req_index >= len(running) or token_budget <= 0:
+                return scheduled, token_budget, preempted
             request = running[req_index]
-            req_id = request.request_id
             computed = request.num_computed_tokens
-            num_new = len(request.all_token_ids) - computed
-            if num_new == 1 and computed + 1 < max_model_len:
-                # Decode fast path. The request's blocks hold a slot for every computed token,
-                # so a token whose position is not 0 or 1 modulo the block size fits in them
-                # and completes no block: it needs nothing from the KV manager (14 steps in 16
-                # at block size 16). Otherwise it completes a block or needs a new one, which
-                # the manager's single-token path does. Only a failed allocation goes on to
-                # preemption below.
-                position = computed + 1
-                if position % block_size > 1:
-                    new_block_ids: list[int] | None = _NO_BLOCKS
-                else:
-                    new_block_ids = kv.allocate_decode_slot(request, position)
-                if new_block_ids is not None:
-                    add_id(req_id)
-                    add_blocks(new_block_ids)
-                    add_computed(computed)
-                    num_scheduled[req_id] = 1
-                    request.num_computed_tokens = position
-                    token_budget -= 1
-                    req_index += 1
-                    continue
-            if num_new > token_budget:
-                num_new = token_budget
+            num_new = min(len(request.all_token_ids) - computed, token_budget)
             if computed + num_new >= max_model_len:
                 num_new = max_model_len - 1 - computed  # leave a position for the sampled token
             if num_new <= 0:
@@ -225,31 +198,56 @@ class Scheduler:
                 req_index += 1
                 continue
             new_blocks = kv.allocate_slots(request, num_new)
-            while new_blocks is None:
-                victim_index = preemption_victim(running, self.policy)
-                victim = running.pop(victim_index)
-                if victim_index < req_index:
-                    # Only the priority policy picks a victim ahead of the current request.
-                    req_index -= 1
-                    victim_id = victim.request_id
-                    if victim_id in num_scheduled:  # already scheduled this step: refund it
-                        token_budget += num_scheduled.pop(victim_id)
-                        scheduled.remove(victim_id)
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
-                    break
-                new_blocks = kv.allocate_slots(request, num_new)
             if new_blocks is None:
-                break  # the request preempted itself: nothing more fits
-            add_id(req_id)
-            add_blocks([b.block_id for b in new_blocks] if new_blocks else _NO_BLOCKS)
-            add_computed(computed)
+                preempted = True
+                new_blocks, req_index, token_budget = self._preempt_until_fits(
+                    request, num_new, req_index, token_budget, scheduled, num_scheduled
+                )
+                if new_blocks is None:
+                    return scheduled, token_budget, preempted  # nothing more fits
+            req_id = request.request_id
+            scheduled.req_ids.append(req_id)
+            scheduled.new_block_ids.append(
+                [b.block_id for b in new_blocks] if new_blocks else NO_BLOCKS
+            )
+            scheduled.num_computed_tokens.append(computed)
             num_scheduled[req_id] = num_new
             request.num_computed_tokens = computed + num_new
             token_budget -= num_new
             req_index += 1
-        return scheduled, token_budget, preempted
+
+    def _preempt_until_fits(
+        self,
+        request: Request,
+        num_new: int,
+        req_index: int,
+        token_budget: int,
+        scheduled: CachedRequestData,
+        num_scheduled: dict[str, int],
+    ) -> tuple[list[KVCacheBlock] | None, int, int]:
+        """Preempt running requests until ``num_new`` slots of ``request`` (at ``req_index``)
+        fit, or until ``request`` is the victim itself.
+
+        Returns the new blocks (None when ``request`` was preempted), then ``request``'s index
+        and the token budget, both adjusted for victims ahead of it in ``running``.
+        """
+        running = self.running
+        while True:
+            victim_index = preemption_victim(running, self.policy)
+            victim = running.pop(victim_index)
+            if victim_index < req_index:
+                # Only the priority policy picks a victim ahead of the current request.
+                req_index -= 1
+                victim_id = victim.request_id
+                if victim_id in num_scheduled:  # already scheduled this step: refund it
+                    token_budget += num_scheduled.pop(victim_id)
+                    scheduled.remove(victim_id)
+            self._preempt(victim)
+            if victim is request:
+                return None, req_index, token_budget
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks, req_index, token_budget
 
     def _schedule_waiting(
         self, token_budget: int, num_scheduled: dict[str, int]
@@ -314,43 +312,7 @@ class Scheduler:
         emits nothing. Scheduler stats ride on one of the returned EngineCoreOutputs. The
         runner output names the requests; ``scheduler_output`` is the step it answers.
         """
-        outputs: dict[int, list[EngineCoreOutput]] = {}
-        stopped: list[Request] = []
-        requests = self.requests
-        all_logprobs = model_runner_output.logprobs
-        max_model_len = self.max_model_len
-        plain_decode = not all_logprobs  # one sampled token with nothing else to report
-        client_index, client_outputs = -1, []  # the last client's list: usually the only one
-        for req_id, generated in zip(
-            model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
-        ):
-            if not generated:
-                continue  # still prefilling
-            request = requests.get(req_id)
-            if request is None:
-                continue  # finished (aborted) while the model ran
-            if plain_decode and len(generated) == 1:
-                # The hot loop: append the token and test, with one comparison and one set
-                # lookup, whether anything else can happen (see Request.next_check_at).
-                token = generated[0]
-                request.output_token_ids.append(token)
-                all_ids = request.all_token_ids
-                all_ids.append(token)
-                if len(all_ids) < request.next_check_at and token not in (
-                    request.stopping_token_ids
-                ):
-                    output = EngineCoreOutput(req_id, generated)
-                else:
-                    output = check_appended_token(request, generated, max_model_len)
-            else:
-                output = append_and_check(request, generated, all_logprobs, max_model_len)
-            if output.finish_reason is not None:
-                stopped.append(request)
-            if request.client_index != client_index:
-                client_index = request.client_index
-                client_outputs = outputs.setdefault(client_index, [])
-            client_outputs.append(output)
-
+        outputs, stopped = collect_outputs(self.requests, model_runner_output, self.max_model_len)
         if stopped:
             self._remove_stopped(stopped)
 

@@ -28,12 +28,8 @@ class CachedRequestData:
     new_block_ids: list[list[int]] = field(default_factory=list)  # blocks allocated this step
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step
 
-    def append(self, req_id: str, new_block_ids: list[int], num_computed_tokens: int) -> None:
-        self.req_ids.append(req_id)
-        self.new_block_ids.append(new_block_ids)
-        self.num_computed_tokens.append(num_computed_tokens)
-
     def remove(self, req_id: str) -> None:
+        """Drop one request's entries (a request preempted after it was scheduled)."""
         i = self.req_ids.index(req_id)
         del self.req_ids[i], self.new_block_ids[i], self.num_computed_tokens[i]
 
@@ -58,6 +54,3 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
-
-
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 from collections.abc import Callable
@@ -10,12 +11,18 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from corefleet.engine.config import EngineConfig
-from corefleet.engine.core.block_hash import make_block_hasher
 from corefleet.engine.core.scheduler import Scheduler
-from corefleet.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from corefleet.engine.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ReadyResponse,
+    SchedulerStats,
+    validate_prompt,
+)
+from corefleet.engine.models.default_model import served_model_name
 from corefleet.engine.models.loader import load_arch_config, resolve_model_path
 from corefleet.engine.request import Request, RequestStatus
-from corefleet.engine.worker.executor import resolve_executor_class
+from corefleet.engine.worker.executor import Executor, ExecutorFactory, resolve_executor_class
 
 logger = logging.getLogger(__name__)
 
@@ -29,14 +36,14 @@ def utility(method: _Method) -> _Method:
     return method
 
 
-def is_utility(obj: object) -> bool:
-    return callable(obj) and getattr(obj, _UTILITY_MARK, False) is True
+class UnknownUtilityError(RuntimeError):
+    """A client asked for a method that is not a ``@utility`` of the engine."""
 
 
 class EngineCore:
     """One data-parallel rank's engine: ``step()`` = schedule -> execute -> update."""
 
-    def __init__(self, config: EngineConfig, executor_class: type | None = None) -> None:
+    def __init__(self, config: EngineConfig, executor_class: ExecutorFactory | None = None) -> None:
         if executor_class is None:
             executor_class = resolve_executor_class(config.parallel.distributed_executor_backend)
         started = time.perf_counter()
@@ -48,16 +55,15 @@ class EngineCore:
         self.vocab_size = arch.vocab_size
         self.eos_token_id = arch.eos_token_ids[0] if arch.eos_token_ids else None
 
-        self.executor = executor_class(config, self.model_path)
+        self.executor: Executor = executor_class(config, self.model_path)
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(self.num_blocks)
         block_size = config.cache.block_size
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.num_blocks, self.max_model_len, block_size
         )
-        self.block_hasher = (
-            make_block_hasher(block_size) if config.cache.enable_prefix_caching else None
-        )
+        # The scheduler's own hasher (None without prefix caching): one per engine.
+        self.block_hasher = self.scheduler.block_hasher
         # Aborts that arrive from other threads while the model runs; applied before the
         # step's results so a request aborted during its last step ends ABORTED, not LENGTH.
         self.aborts_queue: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
@@ -77,23 +83,12 @@ class EngineCore:
         """Validate a wire request and build the engine-side Request; ValueError if invalid."""
         if not isinstance(request.request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request.request_id).__name__}")
-        num_prompt = len(request.prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("the prompt is empty: at least one token is required")
-        if num_prompt >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {num_prompt} tokens; max_model_len is {self.max_model_len}, "
-                "which leaves no room to generate"
-            )
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})"
-            )
+        validate_prompt(request.prompt_token_ids, self.max_model_len, self.vocab_size)
         request.sampling_params.validate(self.vocab_size)
         return Request.from_engine_core_request(request, self.eos_token_id, self.block_hasher)
 
     def add_request(self, request: Request | EngineCoreRequest) -> None:
+        """Queue a request; a wire request is validated first (``ValueError`` if invalid)."""
         if isinstance(request, EngineCoreRequest):
             request = self.preprocess_add_request(request)
         self.scheduler.add_request(request)
@@ -140,6 +135,35 @@ class EngineCore:
                 if not waiter.done():
                     waiter.set_result(None)
 
+    # ---- what clients see -------------------------------------------------------------------
+
+    def make_ready_response(self, rank: int) -> ReadyResponse:
+        """What this engine serves, as it tells a client first: the ``engine_info`` of both the
+        in-process client and a client of an engine process."""
+        block_size = self.config.cache.block_size
+        model = self.config.model
+        return ReadyResponse(
+            rank=rank,
+            max_model_len=self.max_model_len,
+            num_gpu_blocks=self.num_blocks,
+            block_size=block_size,
+            kv_cache_size_tokens=(self.num_blocks - 1) * block_size,
+            vocab_size=self.vocab_size,
+            model_name=served_model_name(model.served_model_name, model.model, self.model_path),
+            pid=os.getpid(),
+        )
+
+    def get_utility(self, name: str) -> Callable[..., Any]:
+        """The ``@utility`` method called ``name``, bound to this engine.
+
+        Raises :class:`UnknownUtilityError` for anything else; private names are refused
+        before any lookup, so a client can never reach the engine's internals.
+        """
+        method = None if name.startswith("_") else getattr(self, name, None)
+        if not callable(method) or getattr(method, _UTILITY_MARK, False) is not True:
+            raise UnknownUtilityError(f"unknown utility method {name!r}")
+        return method
+
     # ---- utilities (UTILITY requests) -------------------------------------------------------
 
     @utility
@@ -154,6 +178,7 @@ class EngineCore:
 
     @utility
     def get_num_unfinished_requests(self) -> int:
+        """Requests queued or running, not yet finished."""
         return self.scheduler.get_num_unfinished_requests()
 
     @utility
@@ -167,6 +192,7 @@ class EngineCore:
         return waiter
 
     def shutdown(self) -> None:
+        """Stop the executor; the engine cannot step afterwards."""
         self.executor.shutdown()
 
 

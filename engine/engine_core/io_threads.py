@@ -9,6 +9,7 @@ that request.
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import threading
@@ -39,9 +40,21 @@ from corefleet.engine.transport.sockets import CurveKeys, make_socket
 
 logger = logging.getLogger(__name__)
 
-# What the busy loop receives: (type, payload); payload is a Request, a list of ids, a
-# UtilityCall, or a message (EXECUTOR_FAILED) / None (WAKEUP).
-InputItem = tuple[RequestType, Any]
+
+class EngineSignal(enum.Enum):
+    """Markers the engine process puts on its own input queue; never on the wire.
+
+    They are apart from ``RequestType`` so that no frame a client sends can decode into one.
+    """
+
+    EXECUTOR_FAILED = enum.auto()  # payload: the reason; the busy loop raises it (fatal)
+    WAKEUP = enum.auto()  # payload: None; only unblocks a busy loop waiting for input
+    COORDINATOR_LOST = enum.auto()  # payload: None; the input connection dropped: handshake again
+
+
+# What the busy loop receives: (kind, payload); payload is a Request (ADD), a list of ids
+# (ABORT), a UtilityCall (UTILITY), or as EngineSignal says.
+InputItem = tuple[RequestType | EngineSignal, Any]
 # What the output thread sends: (client index, outputs), STATS_NOW, ENGINE_CORE_DEAD, or None
 # (flush and stop).
 OutputItem = tuple[int, EngineCoreOutputs] | str | bytes | None
@@ -61,7 +74,9 @@ class InputSink(Protocol):
     def preprocess_add_request(self, request: EngineCoreRequest) -> Request: ...
 
 
-def error_outputs(request: EngineCoreRequest | Request, reason: FinishReason, message: str) -> Any:
+def error_outputs(
+    request: EngineCoreRequest | Request, reason: FinishReason, message: str
+) -> tuple[int, EngineCoreOutputs]:
     """``(client_index, EngineCoreOutputs)`` finishing one request with ``reason``."""
     output = EngineCoreOutput(request.request_id, [], finish_reason=reason, stop_reason=message)
     return (request.client_index, EngineCoreOutputs(outputs=[output]))
@@ -130,11 +145,11 @@ class InputThread(threading.Thread):
                     self.dispatch(sock.recv_multipart(copy=False))
                 if monitor in events:
                     zmq.utils.monitor.recv_monitor_message(monitor)
-                    self.engine.input_queue.put_nowait((RequestType.COORDINATOR_LOST, None))
+                    self.engine.input_queue.put_nowait((EngineSignal.COORDINATOR_LOST, None))
         except Exception as exc:  # a bug here: the engine can no longer hear its clients
             logger.exception("the input thread failed")
             self.engine.input_queue.put_nowait(
-                (RequestType.EXECUTOR_FAILED, f"the input thread failed: {exc!r}")
+                (EngineSignal.EXECUTOR_FAILED, f"the input thread failed: {exc!r}")
             )
         finally:
             sock.disable_monitor()
@@ -157,7 +172,7 @@ class InputThread(threading.Thread):
             elif kind == RequestType.UTILITY.value:
                 call = self._utility_decoder.decode(payload)
                 self.engine.input_queue.put_nowait((RequestType.UTILITY, call))
-            else:  # EXECUTOR_FAILED and WAKEUP are internal: a client must not send them
+            else:
                 self.drops.drop(f"unknown request type {kind[:4]!r}")
         except _DECODE_ERRORS as exc:
             self.drops.drop(f"undecodable {kind[:4]!r} message: {exc}")

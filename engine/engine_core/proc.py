@@ -1,7 +1,7 @@
-"""EngineCoreProc: an EngineCore in its own process, served over ZMQ (DESIGN.md §3, §5).
+"""EngineCoreProc: an EngineCore in its own process, served over ZMQ.
 
 Three threads: the busy loop (this module) owns the engine; the input and output threads
-(``core_io``) own the sockets. The busy loop blocks on the input queue only while idle, so an
+(``io_threads``) own the sockets. The busy loop blocks on the input queue only while idle, so an
 idle engine costs nothing and a busy one never waits on a socket.
 
 Shutdown (SIGTERM/SIGINT): the handler only records the request and wakes the loop. In ``drain``
@@ -26,10 +26,11 @@ from typing import Any, Literal
 import zmq
 
 from corefleet.engine.config import EngineConfig
-from corefleet.engine.engine_core.core import EngineCore, is_utility
+from corefleet.engine.engine_core.core import EngineCore, UnknownUtilityError
 from corefleet.engine.engine_core.health import EngineState, HealthServer
 from corefleet.engine.engine_core.io_threads import (
     STATS_NOW,
+    EngineSignal,
     InputItem,
     InputThread,
     OutputItem,
@@ -43,12 +44,10 @@ from corefleet.engine.messages import (
     EngineStats,
     FinishReason,
     Init,
-    ReadyResponse,
     RequestType,
     UtilityCall,
     UtilityOutput,
 )
-from corefleet.engine.models.default_model import served_model_name
 from corefleet.engine.request import Request, RequestStatus
 from corefleet.engine.transport.handshake import (
     connect_handshake,
@@ -135,7 +134,7 @@ class EngineCoreProc(EngineCore):
             init.input_address,
             rank_identity(self.rank),
             proc_config.curve,
-            self._ready_response(),
+            self.make_ready_response(self.rank),
             self,
         )
         self.output_thread = OutputThread(
@@ -155,21 +154,6 @@ class EngineCoreProc(EngineCore):
                 raise RuntimeError("the input thread died before the engine was ready")
         send_ready(handshake, self.rank)
         logger.info("rank %d: ready, serving %s", self.rank, init.input_address)
-
-    def _ready_response(self) -> ReadyResponse:
-        block_size = self.config.cache.block_size
-        model = self.config.model
-        name = served_model_name(model.served_model_name, model.model, self.model_path)
-        return ReadyResponse(
-            rank=self.rank,
-            max_model_len=self.max_model_len,
-            num_gpu_blocks=self.num_blocks,
-            block_size=block_size,
-            kv_cache_size_tokens=(self.num_blocks - 1) * block_size,
-            vocab_size=self.vocab_size,
-            model_name=name,
-            pid=os.getpid(),
-        )
 
     # ---- the busy loop ---------------------------------------------------------------------
 
@@ -208,18 +192,18 @@ class EngineCoreProc(EngineCore):
         if not executed and self.scheduler.has_unfinished_requests():
             time.sleep(0.001)  # nothing could run: do not spin on the GIL
 
-    def _handle_client_request(self, kind: RequestType, payload: Any) -> None:
+    def _handle_client_request(self, kind: RequestType | EngineSignal, payload: Any) -> None:
         if kind is RequestType.ADD:
             self._add(payload)
         elif kind is RequestType.ABORT:
             self.abort_requests(payload)
         elif kind is RequestType.UTILITY:
             self._call_utility(payload)
-        elif kind is RequestType.EXECUTOR_FAILED:
+        elif kind is EngineSignal.EXECUTOR_FAILED:
             raise RuntimeError(payload or "the model executor failed")
-        elif kind is RequestType.COORDINATOR_LOST and self.shutdown_state is ShutdownState.RUNNING:
+        elif kind is EngineSignal.COORDINATOR_LOST and self.shutdown_state is ShutdownState.RUNNING:
             self._rehandshake()
-        # WAKEUP: nothing to do; it only unblocked the loop.
+        # EngineSignal.WAKEUP: nothing to do; it only unblocked the loop.
 
     def _add(self, request: Request) -> None:
         if self.shutdown_state is not ShutdownState.RUNNING:
@@ -244,11 +228,11 @@ class EngineCoreProc(EngineCore):
         if self.shutdown_state is not ShutdownState.RUNNING:
             reply(failure=f"call to {call.method} refused: {SHUTTING_DOWN_MESSAGE}")
             return
-        method = None if call.method.startswith("_") else getattr(self, call.method, None)
-        if not is_utility(method):
-            reply(failure=f"unknown utility method {call.method!r}")
+        try:
+            method = self.get_utility(call.method)
+        except UnknownUtilityError as exc:
+            reply(failure=str(exc))
             return
-        assert method is not None
         try:
             result = method(*call.args)
         except Exception as exc:
@@ -288,7 +272,7 @@ class EngineCoreProc(EngineCore):
         while True:
             self._wake.wait()
             self._wake.clear()
-            self.input_queue.put_nowait((RequestType.WAKEUP, None))
+            self.input_queue.put_nowait((EngineSignal.WAKEUP, None))
 
     def _check_parent(self) -> None:
         parent = self.proc_config.parent_pid
@@ -368,7 +352,7 @@ class EngineCoreProc(EngineCore):
         self._start_io(handshake, init)
 
     def _on_executor_failure(self) -> None:
-        self.input_queue.put_nowait((RequestType.EXECUTOR_FAILED, "the model executor failed"))
+        self.input_queue.put_nowait((EngineSignal.EXECUTOR_FAILED, "the model executor failed"))
 
     def send_engine_dead(self) -> None:
         """Tell the client this engine is dead (after a fatal error), waiting up to 5 s."""

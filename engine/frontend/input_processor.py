@@ -10,7 +10,7 @@ from typing import TypeAlias
 import msgspec
 
 from corefleet.engine.frontend.tokenizer import Tokenizer
-from corefleet.engine.messages import EngineCoreRequest, SamplingParams
+from corefleet.engine.messages import EngineCoreRequest, SamplingParams, validate_prompt
 
 # A prompt is text, or a mapping with "prompt_token_ids" (and optionally "prompt").
 PromptType: TypeAlias = str | Mapping[str, object]
@@ -53,12 +53,8 @@ class InputProcessor:
     ) -> list[EngineCoreRequest]:
         """One engine request per sample (``n`` of them), ids ``{i}_{request_id}`` when n > 1."""
         params.validate(self.vocab_size)
+        validate_prompt(prompt.prompt_token_ids, self.max_model_len, self.vocab_size)
         params = self._resolve_max_tokens(len(prompt.prompt_token_ids), params)
-        bad = [t for t in prompt.prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})"
-            )
         now = time.time()
         if params.n == 1:
             return [EngineCoreRequest(request_id, prompt.prompt_token_ids, params, now, priority)]
@@ -75,14 +71,9 @@ class InputProcessor:
         return requests
 
     def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> SamplingParams:
-        if num_prompt == 0:
-            raise ValueError("the prompt is empty: at least one token is required")
+        """``params`` with ``max_tokens=None`` resolved to the room the (validated, so not too
+        long) prompt leaves; ValueError when an explicit ``max_tokens`` does not fit."""
         room = self.max_model_len - num_prompt
-        if room <= 0:
-            raise ValueError(
-                f"the prompt has {num_prompt} tokens but this model's maximum context length "
-                f"(max_model_len) is {self.max_model_len}"
-            )
         if params.max_tokens is None:
             return msgspec.structs.replace(params, max_tokens=room)
         if params.max_tokens > room:

@@ -26,9 +26,12 @@ class LLM:
     """Batch generation, with the engine in a child process (default) or in this one.
 
     ``model`` is a Hugging Face folder, a GGUF file, or ``None`` for the embedded
-    SmolLM2-135M-Instruct; other keyword arguments are engine arguments with vLLM's names
-    (``dtype``, ``max_model_len``, ``max_num_seqs``, ``kv_cache_memory``, ...).
-    ``multiprocess=False`` runs the engine in this process (no process hop, no isolation).
+    SmolLM2-135M-Instruct; other keyword arguments are engine arguments with vLLM's
+    ``EngineArgs`` names, one per ``corefleet`` engine flag (``dtype``, ``max_model_len``,
+    ``max_num_seqs``, ``scheduling_policy``, ``num_gpu_blocks_override``, ``kv_cache_memory``,
+    ...; see ``corefleet.engine.config.ENGINE_ARGS``). An unknown one raises ``TypeError``
+    naming it, before anything is loaded. ``multiprocess=False`` runs the engine in this
+    process (no process hop, no isolation).
     """
 
     def __init__(

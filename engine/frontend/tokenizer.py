@@ -28,7 +28,10 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-from corefleet.engine.models.gguf_loader import GGUFTokenizerMetadata, read_gguf_tokenizer_metadata
+from corefleet.engine.models.gguf_metadata import (
+    GGUFTokenizerMetadata,
+    read_gguf_tokenizer_metadata,
+)
 
 __all__ = ["Tokenizer"]
 

@@ -15,14 +15,14 @@ from torch import nn
 from corefleet.engine.models.arch import ArchConfig
 from corefleet.engine.models.rope import build_cos_sin_cache
 from corefleet.kernels import reference
-from corefleet.kernels.backend import AttentionBackend
+from corefleet.kernels.backend import KernelBackend
 from corefleet.kernels.metadata import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: k, v [num_blocks, bs, Hkv, D]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, backend: AttentionBackend) -> None:
+    def __init__(self, hidden_size: int, eps: float, backend: KernelBackend) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
@@ -40,7 +40,7 @@ class BackendLinear(nn.Linear):
     """``nn.Linear`` (same parameters and names) whose matmul is the kernel backend's."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, backend: AttentionBackend
+        self, in_features: int, out_features: int, bias: bool, backend: KernelBackend
     ) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.backend = backend
@@ -50,7 +50,7 @@ class BackendLinear(nn.Linear):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ArchConfig, backend: KernelBackend) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -86,7 +86,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ArchConfig, backend: KernelBackend) -> None:
         super().__init__()
         self.gate_up_proj = BackendLinear(
             cfg.hidden_size, 2 * cfg.intermediate_size, False, backend
@@ -99,7 +99,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ArchConfig, backend: KernelBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.self_attn = LlamaAttention(cfg, backend)
@@ -124,7 +124,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The decoder plus its LM head; ``forward`` returns hidden states, not logits."""
 
-    def __init__(self, cfg: ArchConfig, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, cfg: ArchConfig, backend: KernelBackend, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)

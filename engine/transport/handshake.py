@@ -1,4 +1,4 @@
-"""The start-up handshake between a rank and the side that serves it (DESIGN.md §3).
+"""The start-up handshake between a rank and the side that binds the sockets and serves it.
 
     rank (DEALER, identity = rank)            server (ROUTER, binds)
       HELLO {rank, version, pid, hash}  ->

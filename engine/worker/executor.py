@@ -10,6 +10,7 @@ import importlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
 import torch
 
@@ -20,6 +21,37 @@ from corefleet.engine.models.loader import load_arch_config
 from corefleet.engine.worker.model_runner import TORCH_DTYPES, ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    """What the engine needs from a model executor (``UniProcExecutor``, ``NullExecutor``)."""
+
+    def register_failure_callback(self, callback: Callable[[], None]) -> None:
+        """Have ``callback`` called (from any thread) when ``execute_model`` fails."""
+        ...
+
+    def determine_num_blocks(self) -> int:
+        """How many KV-cache blocks (the null block 0 included) fit on the device."""
+        ...
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV-cache blocks."""
+        ...
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> Future[ModelRunnerOutput]:
+        """Run one step; the future holds its sampled tokens (done on return unless non_block)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release the device and any threads; the executor is unusable afterwards."""
+        ...
+
+
+# How the engine builds its executor: an executor class, called with the engine configuration
+# and the resolved model path.
+ExecutorFactory = Callable[[EngineConfig, str], Executor]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -94,8 +126,11 @@ class UniProcExecutor:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def resolve_executor_class(backend: str) -> type:
-    """``uni`` or an importable ``module:Class`` (see ``ParallelConfig``)."""
+def resolve_executor_class(backend: str) -> ExecutorFactory:
+    """``uni`` or an importable ``module:Class`` (see ``ParallelConfig``).
+
+    An imported class is only checked to be a class; it is trusted to implement :class:`Executor`.
+    """
     if backend == "uni":
         return UniProcExecutor
     module_name, _, class_name = backend.partition(":")

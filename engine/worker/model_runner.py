@@ -12,11 +12,11 @@ from corefleet.engine.config import EngineConfig
 from corefleet.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from corefleet.engine.models.arch import ArchConfig
 from corefleet.engine.models.llama import KVCache, LlamaForCausalLM
-from corefleet.engine.models.loader import load_weights
 from corefleet.engine.models.rope import build_cos_sin_cache
+from corefleet.engine.models.weights import load_weights
 from corefleet.engine.worker.input_batch import InputBatch, RequestState, StepInputs
 from corefleet.engine.worker.sampler import Sampler, SamplingMetadata
-from corefleet.kernels.backend import select_attention_backend
+from corefleet.kernels.backend import select_kernel_backend
 from corefleet.kernels.metadata import AttentionMetadata, PrefillSpan
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         assert config.model.max_model_len is not None, "max_model_len must be resolved"
         self.max_model_len = config.model.max_model_len
-        self.backend = select_attention_backend(
+        self.backend = select_kernel_backend(
             config.device.attention_backend, device, dtype=dtype, block_size=self.block_size
         )
         self.model: LlamaForCausalLM | None = None

@@ -10,10 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from corefleet.engine.config import EngineConfig
 from corefleet.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from corefleet.engine.models.loader import load_arch_config
+
+if TYPE_CHECKING:
+    # Relative on purpose: mypy checks this tree as the package ``engine``, where
+    # ``corefleet.engine`` does not resolve (it would make the check below a no-op).
+    from .executor import ExecutorFactory
 
 # What the real runner would need per token of KV cache in float32; only sizes the pool.
 _BYTES_PER_ELEMENT = 4
@@ -29,10 +35,10 @@ class NullExecutor:
         # The smallest id that is not an end-of-sequence token: requests run to max_tokens.
         self.token_id = next(t for t in range(self.arch.vocab_size) if t not in eos)
         self._num_tokens: dict[str, int] = {}  # request id -> tokens it has (prompt + output)
-        self._failure_callback: Callable[[], None] | None = None
 
     def register_failure_callback(self, callback: Callable[[], None]) -> None:
-        self._failure_callback = callback
+        """Part of the interface only: a step without a model never fails."""
+        del callback
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -83,3 +89,9 @@ class NullExecutor:
 
     def shutdown(self) -> None:
         self._num_tokens.clear()
+
+
+if TYPE_CHECKING:
+    # The engine loads this class by name, so nothing else has mypy check that it implements
+    # the executor interface.
+    _FACTORY: ExecutorFactory = NullExecutor

@@ -85,82 +85,62 @@ class SamplingMetadata:
         else None. Per-row values are gathered into Python lists and turned into tensors with
         one ``torch.tensor`` call per kind, so building is cheap for hundreds of requests.
         """
-        num_reqs = len(params)
-        if not (len(generators) == len(output_token_ids) == len(prompt_token_ids) == num_reqs):
-            raise ValueError(
-                "params, generators, output_token_ids and prompt_token_ids must have one entry "
-                f"per request ({num_reqs}); got {len(generators)}, {len(output_token_ids)}, "
-                f"{len(prompt_token_ids)}"
-            )
-
+        _check_lengths(params, generators, output_token_ids, prompt_token_ids)
         greedy = [p.temperature < _GREEDY_TEMPERATURE for p in params]
         num_greedy = sum(greedy)
-        all_greedy = num_greedy == num_reqs
-        all_random = num_greedy == 0
-
         num_logprobs = [p.logprobs for p in params]
-        wanted = [n for n in num_logprobs if n is not None]
-        max_num_logprobs = max(wanted) if wanted else None
-
-        # Random-only features: greedy rows get neutral values and never count as users.
-        temps: list[float] = []
-        top_ps: list[float] = []
-        top_ks: list[int] = []
-        min_ps: list[float] = []
-        seeded: dict[int, torch.Generator] = {}
-        for i, (p, is_greedy) in enumerate(zip(params, greedy, strict=True)):
-            if is_greedy:
-                temps.append(1.0)
-                top_ps.append(1.0)
-                top_ks.append(vocab_size)
-                min_ps.append(0.0)
-                continue
-            temps.append(p.temperature)
-            top_ps.append(p.top_p)
-            top_ks.append(p.top_k if 0 < p.top_k < vocab_size else vocab_size)
-            min_ps.append(p.min_p)
-            gen = generators[i]
-            if gen is not None:
-                seeded[i] = gen
-        active_top_ks = [k for k in top_ks if k < vocab_size]
-        use_top_p = any(tp < 1.0 for tp in top_ps)
-        use_min_p = any(mp > 0.0 for mp in min_ps)
-
-        temperature: torch.Tensor | None = None
-        top_p: torch.Tensor | None = None
-        top_k: torch.Tensor | None = None
-        min_p: torch.Tensor | None = None
-        greedy_mask: torch.Tensor | None = None
-        if not all_greedy:
-            # One host->device copy for all float rows; the per-feature tensors are views.
-            floats = torch.tensor([temps, top_ps, min_ps], dtype=torch.float32, device=device)
-            temperature = floats[0]  # [B]
-            top_p = floats[1] if use_top_p else None  # [B]
-            min_p = floats[2] if use_min_p else None  # [B]
-            if active_top_ks:
-                top_k = torch.tensor(top_ks, dtype=torch.int64, device=device)  # [B]
-            if not all_random:
-                greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)  # [B]
-
         meta = cls(
             vocab_size=vocab_size,
-            all_greedy=all_greedy,
-            all_random=all_random,
-            temperature=temperature,
-            greedy_mask=greedy_mask,
-            top_p=top_p,
-            top_k=top_k,
-            max_top_k=max(active_top_ks, default=0),
-            # Greedy rows are neutral (k = V) but ignore the filtered logits anyway.
-            top_k_all_rows=bool(active_top_ks)
-            and all(k < vocab_size for k, g in zip(top_ks, greedy, strict=True) if not g),
-            min_p=min_p,
-            generators=seeded,
+            all_greedy=num_greedy == len(params),
+            all_random=num_greedy == 0,
+            # The random-only features start off: _build_random turns on those a row uses.
+            temperature=None,
+            greedy_mask=None,
+            top_p=None,
+            top_k=None,
+            max_top_k=0,
+            top_k_all_rows=False,
+            min_p=None,
             num_logprobs=num_logprobs,
-            max_num_logprobs=max_num_logprobs,
+            max_num_logprobs=max((n for n in num_logprobs if n is not None), default=None),
         )
+        if not meta.all_greedy:
+            meta._build_random(params, greedy, generators, device)
         meta._build_penalties(params, output_token_ids, prompt_token_ids, device)
         return meta
+
+    def _build_random(
+        self,
+        params: list[SamplingParams],
+        greedy: list[bool],
+        generators: list[torch.Generator | None],
+        device: torch.device,
+    ) -> None:
+        """Fill the tensors of the features only random rows use (the batch has such a row).
+
+        Each of top-p, top-k and min-p stays None unless some random row uses it.
+        """
+        rows = _RandomRows.gather(params, greedy, generators, self.vocab_size)
+        # One host->device copy for all float rows; the per-feature tensors are views.
+        floats = torch.tensor(
+            [rows.temperature, rows.top_p, rows.min_p], dtype=torch.float32, device=device
+        )
+        self.temperature = floats[0]  # [B]
+        if any(tp < 1.0 for tp in rows.top_p):
+            self.top_p = floats[1]  # [B]
+        if any(mp > 0.0 for mp in rows.min_p):
+            self.min_p = floats[2]  # [B]
+        active_top_ks = [k for k in rows.top_k if k < self.vocab_size]
+        if active_top_ks:
+            self.top_k = torch.tensor(rows.top_k, dtype=torch.int64, device=device)  # [B]
+            self.max_top_k = max(active_top_ks)
+            # Greedy rows are neutral (k = V) but ignore the filtered logits anyway.
+            self.top_k_all_rows = all(
+                k < self.vocab_size for k, g in zip(rows.top_k, greedy, strict=True) if not g
+            )
+        if not self.all_random:
+            self.greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)  # [B]
+        self.generators = rows.generators
 
     def _build_penalties(
         self,
@@ -209,6 +189,63 @@ class SamplingMetadata:
             mask = torch.zeros(len(params), self.vocab_size, dtype=torch.bool, device=device)
             mask.view(-1)[_flat_indices(prompt_rows, self.vocab_size, device)] = True
             self.prompt_token_mask = mask  # [B, V]
+
+
+def _check_lengths(
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    output_token_ids: list[list[int]],
+    prompt_token_ids: list[list[int]],
+) -> None:
+    """Raise ValueError unless every per-request list has one entry per request."""
+    num_reqs = len(params)
+    if not (len(generators) == len(output_token_ids) == len(prompt_token_ids) == num_reqs):
+        raise ValueError(
+            "params, generators, output_token_ids and prompt_token_ids must have one entry "
+            f"per request ({num_reqs}); got {len(generators)}, {len(output_token_ids)}, "
+            f"{len(prompt_token_ids)}"
+        )
+
+
+@dataclass
+class _RandomRows:
+    """Per-row values of the features only random rows use; greedy rows carry neutral ones."""
+
+    temperature: list[float]  # 1.0 on greedy rows
+    top_p: list[float]  # 1.0 on greedy rows
+    top_k: list[int]  # vocab_size on greedy rows and rows without a top-k below it
+    min_p: list[float]  # 0.0 on greedy rows
+    generators: dict[int, torch.Generator]  # row -> its own generator, seeded random rows only
+
+    @classmethod
+    def gather(
+        cls,
+        params: list[SamplingParams],
+        greedy: list[bool],
+        generators: list[torch.Generator | None],
+        vocab_size: int,
+    ) -> _RandomRows:
+        """Read every row's values in one pass over the batch."""
+        temps: list[float] = []
+        top_ps: list[float] = []
+        top_ks: list[int] = []
+        min_ps: list[float] = []
+        seeded: dict[int, torch.Generator] = {}
+        for i, (p, is_greedy) in enumerate(zip(params, greedy, strict=True)):
+            if is_greedy:
+                temps.append(1.0)
+                top_ps.append(1.0)
+                top_ks.append(vocab_size)
+                min_ps.append(0.0)
+                continue
+            temps.append(p.temperature)
+            top_ps.append(p.top_p)
+            top_ks.append(p.top_k if 0 < p.top_k < vocab_size else vocab_size)
+            min_ps.append(p.min_p)
+            gen = generators[i]
+            if gen is not None:
+                seeded[i] = gen
+        return cls(temps, top_ps, top_ks, min_ps, seeded)
 
 
 def _flat_indices(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

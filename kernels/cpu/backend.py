@@ -1,12 +1,15 @@
-"""CPU paged attention: a C++ decode kernel that reads K/V in place from the paged cache.
+"""The ``cpu`` kernel backend: C++ ops for attention, the layer ops, small linears and argmax.
 
-The torch reference gathers every decode row's blocks into a padded copy and runs SDPA over
-it, which moves several times the bytes the attention needs. The C++ op in
-``csrc/paged_attention_cpu.cpp`` walks each row's block table instead and reads only the
-positions below the row's context length. Prefill spans (several new tokens) stay on the
-reference path.
+``CpuBackend`` overrides the ``KernelBackend`` methods it accelerates and hands every input its
+ops do not take (another dtype, a head size the AVX-512 path cannot tile, non-contiguous
+tensors) back to the torch implementations. The ops live in ``csrc/`` and are compiled together
+at first use (``build.load_cpu_ops``); why each one beats torch, with the measurements, is in
+``docs/kernels.md``.
 
-The op is compiled at first use with the other C++ CPU ops (``cpu_ops.load_cpu_ops``).
+Attention reads K/V in place from the paged cache: the C++ op walks each row's block table and
+reads only the positions below the row's context length, where the torch path gathers every
+row's blocks into a padded copy. A row is one new token (a decode token, or one token of a
+prefill chunk with its own length), so one call attends a whole step.
 """
 
 from __future__ import annotations
@@ -15,22 +18,12 @@ import dataclasses
 
 import torch
 
-from corefleet.kernels import reference
+from corefleet.kernels.backend import KernelBackend
 from corefleet.kernels.cpu.build import load_cpu_ops
 from corefleet.kernels.metadata import AttentionMetadata
 
 
-def load_cpu_attention_op() -> torch._ops.OpOverloadPacket:
-    """Compile (or reuse) the C++ ops and return ``torch.ops.corefleet_cpu.paged_decode_attention``.
-
-    Raises whatever the build raises (no ninja, no compiler, compile error); callers decide
-    whether to fall back.
-    """
-    op: torch._ops.OpOverloadPacket = load_cpu_ops().paged_decode_attention
-    return op
-
-
-def decode_attention(
+def paged_attention(
     query: torch.Tensor,  # [B, Hq, D] float32 or bfloat16, last dim contiguous
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] contiguous, query's dtype
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] contiguous, query's dtype
@@ -38,37 +31,35 @@ def decode_attention(
     context_lens: torch.Tensor,  # [B] int64, each in [1, max_blocks * block_size]
     scale: float,
 ) -> torch.Tensor:  # [B, Hq, D]
-    """Attention of one query token per row over its first ``context_lens[b]`` cached tokens."""
-    op = load_cpu_attention_op()
-    out: torch.Tensor = op(query, k_cache, v_cache, block_table, context_lens, scale)
+    """``torch.ops.corefleet_cpu.paged_attention``: row ``b``'s one query token attends to the
+    first ``context_lens[b]`` positions of its blocks (a prefill chunk is one row per token).
+
+    Raises whatever the build raises (no ninja, no compiler, compile error), and RuntimeError
+    for arguments the op does not take.
+    """
+    out: torch.Tensor = load_cpu_ops().paged_attention(
+        query, k_cache, v_cache, block_table, context_lens, scale
+    )
     return out
 
 
-# Row counts up to which the C++ small-batch linear beats torch's GEMM on weights streamed from
-# memory (measured on the project's 2-core AVX-512 machine with every layer's weights cold, as
-# in a decode step: float32 2.4x torch's rate at one row, 1.3-1.9x at 16-64 rows; bfloat16,
-# with AVX512-BF16 dot products, 2.2x at one row, 1.5-1.6x at 32-64).
+# Row counts up to which the C++ small-batch linear beats torch's GEMM on weights streamed
+# from memory, as in a decode step (docs/kernels.md has the measurements).
 _SMALL_LINEAR_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 64}
-_FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what the fused layer ops are built for
+_FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ ops are built for
 
 
-class CpuPagedAttentionBackend:
+class CpuBackend(KernelBackend):
     """The C++ CPU kernels: attention in place on the paged cache (every new token of a step,
-    decodes and prefill chunks alike), the fused layer ops, and a small-batch linear for steps
-    of a few tokens; large batches' matmuls stay on torch (oneDNN)."""
+    decodes and prefill chunks alike), the fused layer ops, the KV-cache write, argmax, and a
+    small-batch linear for steps of a few tokens; large batches' matmuls stay on torch (oneDNN)."""
+
+    name = "cpu"
 
     def __init__(self) -> None:
         # Compile now, so a broken toolchain surfaces at start-up (where the selector can
         # fall back) rather than in the first forward pass.
         self._ops = load_cpu_ops()
-
-    @property
-    def name(self) -> str:
-        return "cpu"
-
-    @property
-    def needs_block_tables(self) -> bool:
-        return False
 
     def linear(
         self,
@@ -76,7 +67,7 @@ class CpuPagedAttentionBackend:
         weight: torch.Tensor,  # [N, K]
         bias: torch.Tensor | None,  # [N]
     ) -> torch.Tensor:  # [T, N]
-        """``x @ weight.T + bias``; a few rows stream the weights through the C++ op."""
+        """A few rows stream the weights through the C++ op; more are a GEMM for torch."""
         max_rows = _SMALL_LINEAR_MAX_ROWS.get(x.dtype, 0)
         if (
             x.shape[0] <= max_rows
@@ -87,7 +78,7 @@ class CpuPagedAttentionBackend:
         ):
             out: torch.Tensor = self._ops.small_linear(x, weight, bias)
             return out
-        return torch.nn.functional.linear(x, weight, bias)
+        return super().linear(x, weight, bias)
 
     def rms_norm(
         self,
@@ -96,9 +87,9 @@ class CpuPagedAttentionBackend:
         eps: float,
         residual: torch.Tensor | None,  # [T, H]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # normed, new residual: [T, H]
-        """Residual add and RMSNorm in one pass (``reference.rms_norm``'s contract)."""
+        """Residual add and RMSNorm in one pass."""
         if x.dtype not in _FUSED_DTYPES or weight.dtype != x.dtype:
-            return reference.rms_norm(x, weight, eps, residual)
+            return super().rms_norm(x, weight, eps, residual)
         normed, new_residual = self._ops.rms_norm(x.contiguous(), residual, weight, eps)
         return normed, new_residual
 
@@ -109,24 +100,23 @@ class CpuPagedAttentionBackend:
         cos: torch.Tensor,  # [T, 1, D]
         sin: torch.Tensor,  # [T, 1, D]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotates query and key **in place** (they are fresh projections) and returns them."""
+        """Rotates query and key **in place** and returns them."""
         if query.dtype not in _FUSED_DTYPES:
-            return reference.apply_rotary(query, key, cos, sin)
+            return super().apply_rotary(query, key, cos, sin)
         self._ops.rotary_(query, key, cos, sin)
         return query, key
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
         """silu(gate) * up in one pass over the fused gate/up projection."""
         if x.dtype not in _FUSED_DTYPES:
-            return reference.silu_and_mul(x)
+            return super().silu_and_mul(x)
         out: torch.Tensor = self._ops.silu_and_mul(x.contiguous())
         return out
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
-        """torch.argmax(dim=-1) in C++: torch's takes ~1.3 ms for [64, 49152] float32 here,
-        its index-tracking reduction unvectorised; the op needs ~0.1 ms."""
+        """A vectorised two-pass argmax per row (torch's index-tracking reduction is not)."""
         if logits.dtype not in _FUSED_DTYPES or logits.shape[-1] == 0 or logits.dim() != 2:
-            return logits.argmax(dim=-1)
+            return super().argmax(logits)
         out: torch.Tensor = self._ops.argmax_rows(logits.contiguous())
         return out
 
@@ -138,10 +128,10 @@ class CpuPagedAttentionBackend:
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         slot_mapping: torch.Tensor,  # [T] int64
     ) -> None:
-        """Store the new tokens' K/V at their slots: one memcpy per token and tensor in C++
-        (torch's index_copy_ costs ~14 us a call for one decode token, twice per layer)."""
+        """One memcpy per token and tensor (torch's index_copy_ has a large fixed cost a call,
+        paid twice per layer)."""
         if key.dtype != k_cache.dtype or key.stride(-1) != 1 or key.stride(-2) != key.shape[-1]:
-            reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+            super().write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
             return
         self._ops.write_kv_cache_(key, value, k_cache, v_cache, slot_mapping)
 
@@ -155,24 +145,24 @@ class CpuPagedAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
-        """Causal attention of every new token; same contract as ``reference.paged_attention``.
-
-        The C++ kernel takes the whole step in one call, each new token a row over its
-        request's cache up to its own position (the new K/V are written first). A prefill
-        chunk so costs its exact causal triangle: bfloat16 2.1-2.2x, float32 1.4-1.6x torch's
-        fused SDPA on 64-512 token prompts (its tiles along the diagonal do masked work).
-        """
-        nd = meta.num_decodes
-        decode_kernel_fits = query.shape[2] % 16 == 0  # its AVX-512 path needs D % 16 == 0
-        if decode_kernel_fits and meta.token_block_table is not None:
+        """The whole step in one C++ call, each new token a row over its request's cache up to
+        its own position (the new K/V are written first). A prefill chunk so costs its exact
+        causal triangle, where torch's fused SDPA does masked work on the diagonal's tiles."""
+        if query.shape[2] % 16 != 0:  # the op's AVX-512 path needs D % 16 == 0
+            return super().paged_attention(query, key, value, k_cache, v_cache, meta, scale)
+        if meta.token_block_table is not None:
             assert meta.token_context_lens is not None
-            return decode_attention(
+            return paged_attention(
                 query, k_cache, v_cache, meta.token_block_table, meta.token_context_lens, scale
             )
-        out = torch.empty_like(query)  # [T, Hq, D]
-        if nd and decode_kernel_fits:
+        # Metadata built for the torch path alone (no token rows): the prefill spans on torch,
+        # the decode rows here.
+        no_decodes = dataclasses.replace(meta, num_decodes=0)
+        out = super().paged_attention(query, key, value, k_cache, v_cache, no_decodes, scale)
+        nd = meta.num_decodes
+        if nd:
             assert meta.decode_block_table is not None and meta.decode_context_lens is not None
-            out[:nd] = decode_attention(
+            out[:nd] = paged_attention(
                 query[:nd],
                 k_cache,
                 v_cache,
@@ -180,23 +170,4 @@ class CpuPagedAttentionBackend:
                 meta.decode_context_lens,
                 scale,
             )
-        elif nd:
-            out[:nd] = reference.paged_attention(
-                query[:nd],
-                key[:nd],
-                value[:nd],
-                k_cache,
-                v_cache,
-                dataclasses.replace(meta, num_tokens=nd, prefills=[]),
-                scale,
-            )
-        if meta.prefills:
-            num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-            flat_k = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
-            flat_v = v_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
-            for span in meta.prefills:
-                rows = slice(span.token_start, span.token_start + span.num_new_tokens)
-                out[rows] = reference._prefill_attention(
-                    query[rows], key[rows], value[rows], flat_k, flat_v, span, scale
-                )
         return out

@@ -1,4 +1,5 @@
-"""Build and load the C++ CPU ops in ``csrc/`` (paged decode attention, small-batch linear).
+"""Build and load every C++ CPU op in ``csrc/``: paged attention, the small-batch linear, the
+fused layer ops (RMSNorm, rotary, SiLU-and-mul), the KV-cache write and the row-wise argmax.
 
 All sources compile into one extension at first use with ``torch.utils.cpp_extension`` (ninja
 and a C++ compiler are needed) and register under ``torch.ops.corefleet_cpu``. The build is

@@ -1,16 +1,18 @@
 """The Triton backend: every layer op and paged attention as Triton kernels.
 
-Chosen by ``select_attention_backend`` (``--attention-backend triton``, or ``auto`` on CUDA
-without flash-attn). Linear layers stay on torch (cuBLAS already streams weights at bandwidth);
-everything between them is one Triton kernel each. Attention takes the block-table metadata
-(``AttentionMetadata.block_tables`` and friends), so the model runner builds no per-request
-gathers for it. Importing this module imports Triton.
+Chosen by ``select_kernel_backend`` (``--attention-backend triton``, or ``auto`` on CUDA
+without flash-attn). Linear layers and argmax stay on ``KernelBackend``'s torch (cuBLAS
+already streams weights at bandwidth); everything between the linears is one Triton kernel
+each. Attention takes the block-table metadata (``AttentionMetadata.block_tables`` and
+friends), so the model runner builds no per-request gathers for it. Importing this module
+imports Triton.
 """
 
 from __future__ import annotations
 
 import torch
 
+from corefleet.kernels.backend import KernelBackend
 from corefleet.kernels.metadata import AttentionMetadata
 from corefleet.kernels.triton_ops.activation import silu_and_mul
 from corefleet.kernels.triton_ops.attention import unified_attention
@@ -19,24 +21,11 @@ from corefleet.kernels.triton_ops.rms_norm import rms_norm
 from corefleet.kernels.triton_ops.rotary import apply_rotary
 
 
-class TritonBackend:
+class TritonBackend(KernelBackend):
     """Triton kernels for norm, rotary, SiLU-and-mul, the KV-cache write and paged attention."""
 
-    @property
-    def name(self) -> str:
-        return "triton"
-
-    @property
-    def needs_block_tables(self) -> bool:
-        return True
-
-    def linear(
-        self,
-        x: torch.Tensor,  # [T, K]
-        weight: torch.Tensor,  # [N, K]
-        bias: torch.Tensor | None,  # [N]
-    ) -> torch.Tensor:  # [T, N]
-        return torch.nn.functional.linear(x, weight, bias)
+    name = "triton"
+    needs_block_tables = True
 
     def rms_norm(
         self,
@@ -45,6 +34,7 @@ class TritonBackend:
         eps: float,
         residual: torch.Tensor | None,  # [T, H]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # normed, new residual: [T, H]
+        """Residual add and RMSNorm in one kernel (``triton_ops/rms_norm.py``)."""
         return rms_norm(x, weight, eps, residual)
 
     def apply_rotary(
@@ -54,14 +44,12 @@ class TritonBackend:
         cos: torch.Tensor,  # [T, 1, D]
         sin: torch.Tensor,  # [T, 1, D]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotates query and key **in place** (fresh projections) and returns them."""
+        """Rotates query and key **in place** and returns them (``triton_ops/rotary.py``)."""
         return apply_rotary(query, key, cos, sin)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+        """One pass over the fused gate/up projection (``triton_ops/activation.py``)."""
         return silu_and_mul(x)
-
-    def argmax(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
-        return logits.argmax(dim=-1)
 
     def write_kv_cache(
         self,
@@ -71,6 +59,7 @@ class TritonBackend:
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         slot_mapping: torch.Tensor,  # [T] int64
     ) -> None:
+        """A row scatter, K and V together (``triton_ops/kv_cache.py``); slots < 0 are skipped."""
         write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
     def paged_attention(

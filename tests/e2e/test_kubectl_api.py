@@ -1,4 +1,4 @@
-"""The real kubectl against the emulated API server: the InferenceEngine workflow of issue 8.
+"""The real kubectl against the emulated API server: the InferenceEngine workflow a user runs.
 
 No operator and no kubelet run here: the test plays them (status PATCHes, finalizer removal,
 the kubelet's final pod DELETE), so these tests take seconds. What is asserted is what kubectl

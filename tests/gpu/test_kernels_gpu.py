@@ -14,17 +14,15 @@ from tests.gpu.gpu_support import require_cuda
 
 require_cuda()
 
-from corefleet.kernels import (  # noqa: E402  (only once a GPU is known to be here)
-    reference,
-    triton_activation,
-    triton_attention,
-    triton_rms_norm,
-    triton_rotary,
-)
+from corefleet.kernels import reference  # noqa: E402  (only once a GPU is known to be here)
 from corefleet.kernels.flash_attn import (  # noqa: E402
     FlashAttnBackend,
     flash_attn_installed,
 )
+from corefleet.kernels.triton_ops import activation as triton_activation  # noqa: E402
+from corefleet.kernels.triton_ops import attention as triton_attention  # noqa: E402
+from corefleet.kernels.triton_ops import rms_norm as triton_rms_norm  # noqa: E402
+from corefleet.kernels.triton_ops import rotary as triton_rotary  # noqa: E402
 from corefleet.kernels.triton_ops.backend import TritonBackend  # noqa: E402
 from tests.kernel_cases import (  # noqa: E402
     PagedBatch,

@@ -22,8 +22,10 @@ from corefleet.engine.models.default_model import (
     DefaultModelNotInstalledError,
     default_model_path,
 )
-from corefleet.engine.models.gguf_loader import llama3_freq_factors, open_gguf, unpermute_rotary
-from corefleet.engine.models.loader import load_arch_config, load_weights, resolve_model_path
+from corefleet.engine.models.gguf_metadata import llama3_freq_factors, open_gguf
+from corefleet.engine.models.gguf_weights import unpermute_rotary
+from corefleet.engine.models.loader import load_arch_config, resolve_model_path
+from corefleet.engine.models.weights import load_weights
 from tests.fixtures_models import (
     hf_state_dict,
     llamacpp_permute,

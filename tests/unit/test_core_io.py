@@ -78,8 +78,9 @@ def test_input_thread_drops_malformed_frames_and_internal_types(ctx: zmq.Context
     frames = [
         [b"\x00"],  # no payload
         [b"\x07", b"\x90"],  # unknown type byte
-        [RequestType.EXECUTOR_FAILED.value, b""],  # internal: never from a client
-        [RequestType.WAKEUP.value, b"\xc0"],
+        # Bytes once used for the engine's own queue markers: no client frame can be one.
+        [b"\x04", b""],
+        [b"\x05", b"\xc0"],
         [RequestType.ADD.value, b"\xff\xfe"],  # garbage msgpack
         [RequestType.ADD.value, *encode(["not", "a", "request"])],  # wrong fields
         [RequestType.ABORT.value, *encode({"a": 1})],

@@ -8,7 +8,7 @@ import torch
 from corefleet.engine.messages import SamplingParams
 from corefleet.engine.worker.sampler import Sampler
 from corefleet.engine.worker.sampling_metadata import SamplingMetadata
-from corefleet.kernels.cpu import backend as cpu_attention
+from corefleet.kernels.cpu import backend as cpu_backend
 from tests.cpu_ops_support import load_cpu_ops_or_skip
 
 OPS = load_cpu_ops_or_skip()
@@ -63,7 +63,7 @@ def test_rejects_bad_input() -> None:
 
 def test_sampler_on_the_cpu_backend_matches_torch() -> None:
     """Greedy and seeded random rows give the same tokens with the op as with torch.argmax."""
-    backend = cpu_attention.CpuPagedAttentionBackend()
+    backend = cpu_backend.CpuBackend()
     params = [SamplingParams(temperature=0.0)] * 3 + [
         SamplingParams(temperature=0.8, top_p=0.9, seed=s) for s in range(5)
     ]

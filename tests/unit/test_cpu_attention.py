@@ -1,4 +1,5 @@
-"""The C++ CPU decode attention against the torch reference (the oracle)."""
+"""The C++ CPU paged attention (decode rows and prefill chunks as token rows) against the torch
+reference (the oracle)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 from corefleet.kernels import reference
-from corefleet.kernels.backend import TorchReferenceBackend, select_attention_backend
-from corefleet.kernels.cpu import backend as cpu_attention
+from corefleet.kernels.backend import KernelBackend, select_kernel_backend
+from corefleet.kernels.cpu import backend as cpu_backend
 from corefleet.kernels.metadata import AttentionMetadata, PrefillSpan
 from tests.cpu_ops_support import load_cpu_ops_or_skip
 
@@ -81,9 +82,7 @@ def test_decode_matches_reference(
     )
     scale = head_dim**-0.5
     expected = reference._decode_attention(query, k_cache, v_cache, table, mask, scale)
-    actual = cpu_attention.decode_attention(
-        query, k_cache, v_cache, table, torch.tensor(lens), scale
-    )
+    actual = cpu_backend.paged_attention(query, k_cache, v_cache, table, torch.tensor(lens), scale)
     _assert_close(actual, expected, dtype)
 
 
@@ -93,7 +92,7 @@ def test_single_row_matches_reference(dtype: torch.dtype, length: int) -> None:
     """One row (single-stream decode): its KV heads are split across the threads."""
     query, k_cache, v_cache, table, mask = _paged_batch([length], 16, 3, 3, 64, dtype, seed=1)
     expected = reference._decode_attention(query, k_cache, v_cache, table, mask, 0.125)
-    actual = cpu_attention.decode_attention(
+    actual = cpu_backend.paged_attention(
         query, k_cache, v_cache, table, torch.tensor([length]), 0.125
     )
     _assert_close(actual, expected, dtype)
@@ -102,7 +101,7 @@ def test_single_row_matches_reference(dtype: torch.dtype, length: int) -> None:
 def test_single_token_context_returns_its_value() -> None:
     # With one visible position the softmax weight is exactly 1: the output is that V row.
     query, k_cache, v_cache, table, _ = _paged_batch([1, 1], 16, 2, 3, 64, torch.float32)
-    out = cpu_attention.decode_attention(query, k_cache, v_cache, table, torch.tensor([1, 1]), 0.1)
+    out = cpu_backend.paged_attention(query, k_cache, v_cache, table, torch.tensor([1, 1]), 0.1)
     for row in range(2):
         v_row = v_cache[table[row, 0], 0]  # [Hkv, D]
         torch.testing.assert_close(out[row], v_row.repeat_interleave(3, dim=0))
@@ -121,9 +120,7 @@ def test_nan_in_unused_cache_never_reaches_output(dtype: torch.dtype) -> None:
             used[table[row, pos // 16], pos % 16] = True
     for cache in (k_cache, v_cache):
         cache[~used] = float("nan")
-    actual = cpu_attention.decode_attention(
-        query, k_cache, v_cache, table, torch.tensor(lens), 0.125
-    )
+    actual = cpu_backend.paged_attention(query, k_cache, v_cache, table, torch.tensor(lens), 0.125)
     assert not torch.isnan(actual).any()
     _assert_close(actual, expected, dtype)
 
@@ -131,9 +128,9 @@ def test_nan_in_unused_cache_never_reaches_output(dtype: torch.dtype) -> None:
 def test_rejects_length_past_block_table() -> None:
     query, k_cache, v_cache, table, _ = _paged_batch([5, 20], 16, 2, 2, 64, torch.float32)
     with pytest.raises(RuntimeError, match="context_lens"):
-        cpu_attention.decode_attention(query, k_cache, v_cache, table, torch.tensor([5, 33]), 1.0)
+        cpu_backend.paged_attention(query, k_cache, v_cache, table, torch.tensor([5, 33]), 1.0)
     with pytest.raises(RuntimeError, match="dtype"):
-        cpu_attention.decode_attention(
+        cpu_backend.paged_attention(
             query.double(), k_cache, v_cache, table, torch.tensor([5, 20]), 1.0
         )
 
@@ -145,7 +142,7 @@ def test_strided_query_rows() -> None:
     fused = torch.cat([query, torch.randn(3, 6, 64)], dim=1)  # [B, Hq + 6, D]
     strided = fused[:, :9]  # [B, Hq, D] with row stride (Hq + 6) * D
     expected = reference._decode_attention(query, k_cache, v_cache, table, mask, 0.125)
-    actual = cpu_attention.decode_attention(
+    actual = cpu_backend.paged_attention(
         strided, k_cache, v_cache, table, torch.tensor(lens), 0.125
     )
     _assert_close(actual, expected, torch.float32)
@@ -225,19 +222,17 @@ def test_backend_mixed_decode_and_prefill_matches_reference(
     if not token_rows:
         meta = dataclasses.replace(meta, token_block_table=None, token_context_lens=None)
     scale = query.shape[-1] ** -0.5
-    expected = TorchReferenceBackend().paged_attention(
-        query, key, value, k_cache, v_cache, meta, scale
-    )
-    backend = cpu_attention.CpuPagedAttentionBackend()
+    expected = KernelBackend().paged_attention(query, key, value, k_cache, v_cache, meta, scale)
+    backend = cpu_backend.CpuBackend()
     actual = backend.paged_attention(query, key, value, k_cache, v_cache, meta, scale)
     _assert_close(actual, expected, dtype)
 
 
 def test_selection() -> None:
     cpu = torch.device("cpu")
-    assert select_attention_backend("auto", cpu).name == "cpu"
-    assert select_attention_backend("cpu", cpu).name == "cpu"
-    assert select_attention_backend("torch", cpu).name == "torch"
+    assert select_kernel_backend("auto", cpu).name == "cpu"
+    assert select_kernel_backend("cpu", cpu).name == "cpu"
+    assert select_kernel_backend("torch", cpu).name == "torch"
 
 
 def test_auto_falls_back_to_torch_when_build_fails(
@@ -246,10 +241,10 @@ def test_auto_falls_back_to_torch_when_build_fails(
     def broken() -> None:
         raise RuntimeError("no compiler")
 
-    monkeypatch.setattr(cpu_attention, "load_cpu_ops", broken)
+    monkeypatch.setattr(cpu_backend, "load_cpu_ops", broken)
     with caplog.at_level("WARNING"):
-        backend = select_attention_backend("auto", torch.device("cpu"))
+        backend = select_kernel_backend("auto", torch.device("cpu"))
     assert backend.name == "torch"
     assert "no compiler" in caplog.text
     with pytest.raises(RuntimeError, match="no compiler"):
-        select_attention_backend("cpu", torch.device("cpu"))
+        select_kernel_backend("cpu", torch.device("cpu"))

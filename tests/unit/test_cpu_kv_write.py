@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from corefleet.kernels import reference
-from corefleet.kernels.cpu import backend as cpu_attention
+from corefleet.kernels.cpu import backend as cpu_backend
 from tests.cpu_ops_support import load_cpu_ops_or_skip
 
 OPS = load_cpu_ops_or_skip()
@@ -30,7 +30,7 @@ def test_matches_reference(dtype: torch.dtype, num_tokens: int) -> None:
     caches = [torch.randn(10, 16, 3, 64, generator=gen).to(dtype) for _ in range(2)]
     expected = [c.clone() for c in caches]
     reference.write_kv_cache(key, value, expected[0], expected[1], slots)
-    cpu_attention.CpuPagedAttentionBackend().write_kv_cache(key, value, *caches, slots)
+    cpu_backend.CpuBackend().write_kv_cache(key, value, *caches, slots)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
 
 

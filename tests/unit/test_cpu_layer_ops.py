@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from corefleet.kernels import reference
-from corefleet.kernels.cpu import backend as cpu_attention
+from corefleet.kernels.cpu import backend as cpu_backend
 from tests.cpu_ops_support import load_cpu_ops_or_skip
 
 OPS = load_cpu_ops_or_skip()
@@ -109,9 +109,9 @@ def test_bad_arguments_are_refused(call: object, message: str) -> None:
 
 def test_backend_model_ops_match_the_torch_backend() -> None:
     """What the model calls: the CPU backend's answers equal the reference backend's."""
-    from corefleet.kernels.backend import TorchReferenceBackend
+    from corefleet.kernels.backend import KernelBackend
 
-    cpu, ref = cpu_attention.CpuPagedAttentionBackend(), TorchReferenceBackend()
+    cpu, ref = cpu_backend.CpuBackend(), KernelBackend()
     gen = torch.Generator().manual_seed(0)
     x, res, w = (torch.randn(5, 64, generator=gen) for _ in range(3))
     got = cpu.rms_norm(x, w[0], 1e-6, res)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corefleet.kernels.cpu import backend as cpu_attention
+from corefleet.kernels.cpu import backend as cpu_backend
 from tests.cpu_ops_support import load_cpu_ops_or_skip
 
 OPS = load_cpu_ops_or_skip()
@@ -105,7 +105,7 @@ def test_rejects_bad_arguments(x: torch.Tensor, weight: torch.Tensor, message: s
 @pytest.mark.parametrize("rows", [1, 4, 9, 64, 65])
 def test_backend_linear_any_batch(dtype: torch.dtype, rows: int) -> None:
     """The backend's dispatch (C++ for a few rows, torch above) gives torch's answer."""
-    backend = cpu_attention.CpuPagedAttentionBackend()
+    backend = cpu_backend.CpuBackend()
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 40, generator=gen).to(dtype)  # K = 40: not a multiple of 16
     weight = torch.randn(24, 40, generator=gen).to(dtype)

@@ -148,7 +148,7 @@ def test_cache_salt_hits_same_salt_only() -> None:
 
 
 def test_worked_eviction_example() -> None:
-    """Digest §8.7: block_size 16, 11 blocks (10 usable)."""
+    """A worked eviction example: block_size 16, 11 blocks (10 usable)."""
     manager = make_manager(11)
     common = list(range(48))
     req0 = make_request("0", [*common, *range(100, 107)])  # 3 full blocks + 7 tokens

@@ -3,9 +3,9 @@
 //
 // Layout: logits [B, V] float32 or bfloat16, rows contiguous -> [B] int64.
 //
-// Why it exists: torch's argmax over the last dimension of a [64, 49152] float32 tensor takes
-// ~1.3 ms on the project's 2-core machine (5.7 ms in bfloat16), while its amax takes ~70 us:
-// the index-tracking reduction is not vectorised. A decode step pays it once.
+// Why it exists: torch's argmax over the last dimension is an order of magnitude slower than
+// its amax, its index-tracking reduction not vectorised, and a decode step pays it once over
+// the whole vocabulary (docs/kernels.md has the measurements).
 //
 // Semantics are torch.argmax's: the first index of the maximum; a row holding NaN gives the
 // index of its first NaN (NaN compares greater than everything there).
@@ -16,6 +16,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "scalar.h"
 #include "vec_avx512.h"
 
 #include <algorithm>
@@ -26,16 +27,13 @@
 namespace corefleet {
 namespace {
 
-inline float as_float(float x) { return x; }
-inline float as_float(c10::BFloat16 x) { return static_cast<float>(x); }
-
 // The plain loop: the reference semantics, and the whole row where AVX-512 is missing.
 template <typename scalar_t>
 int64_t argmax_scalar(const scalar_t* row, int64_t n) {
   int64_t best = 0;
-  float best_value = as_float(row[0]);
+  float best_value = widen(row[0]);
   for (int64_t i = 0; i < n; ++i) {
-    const float v = as_float(row[i]);
+    const float v = widen(row[i]);
     if (std::isnan(v)) {
       return i;
     }
@@ -66,7 +64,7 @@ int64_t argmax_row(const scalar_t* row, int64_t n) {
   }
   float max_value = _mm512_reduce_max_ps(best);
   for (int64_t i = full; i < n; ++i) {  // the tail, scalar
-    const float v = as_float(row[i]);
+    const float v = widen(row[i]);
     if (std::isnan(v)) {
       return i;  // the first NaN: the full chunks hold none
     }
@@ -80,7 +78,7 @@ int64_t argmax_row(const scalar_t* row, int64_t n) {
     }
   }
   for (int64_t i = full; i < n; ++i) {  // the maximum lies in the tail only
-    if (as_float(row[i]) == max_value) {
+    if (widen(row[i]) == max_value) {
       return i;
     }
   }

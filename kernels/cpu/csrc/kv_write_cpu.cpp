@@ -6,8 +6,8 @@
 //   k_cache, v_cache  [num_blocks, block_size, Hkv, D]    contiguous, key's dtype
 //   slot_mapping      [T] int64                           block * block_size + offset per token
 //
-// Why it exists: torch's index_copy_ makes the same copies but costs ~14 us per call on the
-// project's machine for a single decode token (dispatch, checks, iterator set-up), and a
+// Why it exists: torch's index_copy_ makes the same copies but has a large fixed cost a call
+// for a single decode token (dispatch, checks, iterator set-up; docs/kernels.md), and a
 // forward pass calls it twice per layer; here each token is one memcpy per tensor. Every
 // slot is checked before anything is written, so a bad slot raises and changes nothing.
 

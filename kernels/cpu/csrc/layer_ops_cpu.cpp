@@ -1,6 +1,6 @@
 // Element-wise layer ops fused into one pass each on the CPU: residual add + RMSNorm, rotary
 // embedding (in place), and SiLU-and-mul. As separate torch ops they made ~10 passes over
-// every layer's activations per step (~9 % of a prefill-heavy run on the project's machine).
+// every layer's activations per step, a visible share of a prefill-heavy run (docs/kernels.md).
 //
 // Numerics follow kernels/reference.py, computed in float32 with one rounding to the tensor's
 // dtype where the reference rounds:
@@ -18,6 +18,7 @@
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
+#include "scalar.h"
 #include "vec_avx512.h"
 
 #include <algorithm>
@@ -27,14 +28,6 @@
 
 namespace corefleet {
 namespace {
-
-inline float widen(float v) { return v; }
-inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
-
-template <typename T>
-inline T narrow(float v) {
-  return static_cast<T>(v);
-}
 
 // Rows per task so a task moves ~64 KB: small batches (decode) stay on one thread, where
 // waking the pool would cost more than the work.

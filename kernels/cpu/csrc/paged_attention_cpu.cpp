@@ -1,7 +1,8 @@
 // Paged attention on the CPU, one query token per row: K and V read in place from the paged
 // cache through the row's block table (no gathered copy). A decode request is one row; a
 // prefill chunk is one row per token, each with its own length (its position + 1), which makes
-// the attention causal without a mask (cpu_attention.py builds those rows).
+// the attention causal without a mask (the model runner builds those rows; cpu/backend.py
+// passes them on).
 //
 // Layouts (all row-major):
 //   query        [B, Hq, D]                          float32 or bfloat16 (last dim contiguous)
@@ -16,10 +17,10 @@
 //
 // Numerics: everything is accumulated in float32 with an exact two-pass softmax (scores for
 // the whole context are kept in a per-thread scratch buffer, then max, exp, sum). bfloat16 on
-// a CPU with AVX512-BF16 multiplies bf16 pairs instead (decode_attention_bf16.h), with the
-// probabilities rounded to bfloat16 for the V sum. Only
-// positions < context_lens[b] are ever read, so stale or uninitialised cache memory past a
-// row's length (or in blocks outside its table) cannot reach the output.
+// a CPU with AVX512-BF16 multiplies bf16 pairs instead (paged_attention_bf16.h), with the
+// probabilities rounded to bfloat16 for the V sum. Only positions < context_lens[b] are ever
+// read, so stale or uninitialised cache memory past a row's length (or in blocks outside its
+// table) cannot reach the output.
 //
 // Only light headers are included: the full <torch/extension.h> (pybind11 + all of ATen)
 // roughly triples the build time, and the op is reached through torch.ops instead.
@@ -30,8 +31,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include "decode_attention_blocks.h"
-#include "decode_attention_bf16.h"
+#include "paged_attention_blocks.h"
+#include "paged_attention_bf16.h"
 
 #include <algorithm>
 #include <cmath>
@@ -44,13 +45,7 @@
 namespace corefleet {
 namespace {
 
-using namespace attention;  // the inner loops (decode_attention_blocks.h, _bf16.h)
-
-#if defined(__AVX512BF16__)
-constexpr bool kHasBf16Pairs = true;
-#else
-constexpr bool kHasBf16Pairs = false;
-#endif
+using namespace attention;  // the inner loops (paged_attention_blocks.h, _bf16.h)
 
 // Task boundaries for `parts` contiguous ranges of about equal work, one per thread. A task
 // (row b, one of `splits` head ranges) costs its row's length plus a fixed overhead. Equal
@@ -77,8 +72,14 @@ std::vector<int64_t> balanced_bounds(
   return bounds;
 }
 
-template <typename scalar_t>
-void decode_attention_kernel(
+// kPairs: bfloat16 multiplied in bf16 pairs in both passes (paged_attention_bf16.h, 32 bf16
+// make one vdpbf16ps operand), instantiated only where the CPU has AVX512-BF16; false: every
+// K and V element widened to float32. The host wrapper chooses once per call. On the pairs
+// path the queries and probabilities are kept as scalar_t (bfloat16), which also keeps the
+// pairs functions' calls dependent on scalar_t: a build without AVX512-BF16, where they do
+// not exist, never looks them up.
+template <typename scalar_t, bool kPairs>
+void paged_attention_kernel(
     const at::Tensor& query,         // [B, Hq, D]
     const at::Tensor& k_cache,       // [num_blocks, bs, Hkv, D]
     const at::Tensor& v_cache,       // [num_blocks, bs, Hkv, D]
@@ -86,6 +87,7 @@ void decode_attention_kernel(
     const at::Tensor& context_lens,  // [B] int64
     double scale,
     at::Tensor& out) {               // [B, Hq, D]
+  static_assert(!kPairs || std::is_same_v<scalar_t, c10::BFloat16>, "pairs are bfloat16");
   const int64_t batch = query.size(0);
   const int64_t num_q_heads = query.size(1);
   const int64_t head_dim = query.size(2);
@@ -116,29 +118,24 @@ void decode_attention_kernel(
   // A task is one row and a range of its KV heads. Whole rows when there are enough rows to
   // keep every thread busy: a position's K (and V) for all heads is one contiguous
   // Hkv * D run in the cache, read front to back, where one head per task read a D-wide
-  // slice every Hkv * D elements (a strided pattern the prefetcher follows poorly: 2.5x
-  // slower at 64 rows). A few rows (single-stream decode) split their heads across threads.
+  // slice every Hkv * D elements (a strided pattern the prefetcher follows poorly). A few
+  // rows (single-stream decode) split their heads across threads.
   const int64_t threads = at::get_num_threads();
   const int64_t head_splits = batch >= 2 * threads ? 1 : num_kv_heads;
   const int64_t heads_per_task = num_kv_heads / head_splits;
-  // bfloat16 on a CPU with AVX512-BF16 multiplies bf16 pairs in both passes
-  // (decode_attention_bf16.h; 32 bf16 make one vdpbf16ps operand); other dtypes and head
-  // sizes widen to float32.
-  const bool pairs =
-      kHasBf16Pairs && std::is_same_v<scalar_t, c10::BFloat16> && head_dim % 32 == 0;
 
   const std::vector<int64_t> bounds = balanced_bounds(lens, batch, head_splits, threads);
   at::parallel_for(0, threads, 1, [&](int64_t part_begin, int64_t part_end) {
     const int64_t begin = bounds[part_begin];
     const int64_t end = bounds[part_end];
     // Per-thread scratch, reused by every task in the range.
-    std::vector<float> q(pairs ? 0 : num_q_heads * head_dim);  // [Hq, D] scaled queries
+    std::vector<float> q(kPairs ? 0 : num_q_heads * head_dim);  // [Hq, D] scaled queries
     std::vector<float> acc(num_q_heads * head_dim);    // [Hq, D] weighted sum of V rows
     std::vector<float> scores(num_q_heads * max_len);  // [Hq, L] logits, then probabilities
     std::vector<float> inv_sum(num_q_heads);           // [Hq] 1 / softmax normaliser
-    // bf16 pairs path: the queries unscaled and the probabilities, both as bf16.
-    std::vector<c10::BFloat16> q_pairs(pairs ? num_q_heads * head_dim : 0);  // [Hq, D]
-    std::vector<c10::BFloat16> probs(pairs ? num_q_heads * (max_len + 1) : 0);  // [Hq, L + 1]
+    // Pairs path: the queries unscaled and the probabilities rounded, both as bfloat16.
+    std::vector<scalar_t> q_pairs(kPairs ? num_q_heads * head_dim : 0);  // [Hq, D]
+    std::vector<scalar_t> probs(kPairs ? num_q_heads * (max_len + 1) : 0);  // [Hq, L + 1]
 
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / head_splits;
@@ -149,15 +146,14 @@ void decode_attention_kernel(
       const int64_t len = lens[b];
       const int64_t* row_blocks = table + b * max_blocks;
 
-      // The task's queries, scaled once here instead of once per score.
       for (int64_t qh = qh0; qh < qh1; ++qh) {
         const scalar_t* src = q_data + b * q_row_stride + qh * q_head_stride;
-        if (pairs) {  // unscaled bf16: the scale is applied to the float32 scores instead
+        if constexpr (kPairs) {  // unscaled: the scale is applied to the float32 scores
           std::memcpy(&q_pairs[qh * head_dim], src, head_dim * sizeof(scalar_t));
-          continue;
-        }
-        for (int64_t d = 0; d < head_dim; ++d) {
-          q[qh * head_dim + d] = static_cast<float>(src[d]) * fscale;
+        } else {  // scaled once here instead of once per score
+          for (int64_t d = 0; d < head_dim; ++d) {
+            q[qh * head_dim + d] = widen(src[d]) * fscale;
+          }
         }
       }
 
@@ -182,17 +178,13 @@ void decode_attention_kernel(
             prefetch_block(k_next + t * token_stride, run, token_stride, h * head_dim,
                            head_dim);
             float* run_scores = &scores[h * group * len + start + t];
-#if defined(__AVX512BF16__)
-            if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-              if (pairs) {
-                score_positions_pairs(k_run, token_stride, run, &q_pairs[h * group * head_dim],
-                                      group, head_dim, fscale, run_scores, len);
-                continue;
-              }
+            if constexpr (kPairs) {
+              score_positions_pairs(k_run, token_stride, run, &q_pairs[h * group * head_dim],
+                                    group, head_dim, fscale, run_scores, len);
+            } else {
+              score_positions(k_run, token_stride, run, &q[h * group * head_dim], group,
+                              head_dim, run_scores, len);
             }
-#endif
-            score_positions(k_run, token_stride, run, &q[h * group * head_dim], group, head_dim,
-                            run_scores, len);
           }
         }
       }
@@ -212,20 +204,16 @@ void decode_attention_kernel(
       const RowCache<scalar_t> v_row{v_data, row_blocks, len, block_size, block_stride,
                                      token_stride};
       for (int64_t h = h0; h < h1; ++h) {
-#if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-          if (pairs) {
-            for (int64_t qh = h * group; qh < (h + 1) * group; ++qh) {
-              round_probabilities(&scores[qh * len], len, &probs[qh * (len + 1)]);
-            }
-            accumulate_head_pairs(v_row, h, &probs[h * group * (len + 1)], len + 1, group,
-                                  head_dim, &acc[h * group * head_dim]);
-            continue;
+        if constexpr (kPairs) {
+          for (int64_t qh = h * group; qh < (h + 1) * group; ++qh) {
+            round_probabilities(&scores[qh * len], len, &probs[qh * (len + 1)]);
           }
+          accumulate_head_pairs(v_row, h, &probs[h * group * (len + 1)], len + 1, group,
+                                head_dim, &acc[h * group * head_dim]);
+        } else {
+          accumulate_head(v_row, h, &scores[h * group * len], len, group, head_dim,
+                          &acc[h * group * head_dim]);
         }
-#endif
-        accumulate_head(v_row, h, &scores[h * group * len], len, group, head_dim,
-                        &acc[h * group * head_dim]);
       }
 
       for (int64_t qh = qh0; qh < qh1; ++qh) {
@@ -238,8 +226,8 @@ void decode_attention_kernel(
   });
 }
 
-// Host wrapper: validate everything the kernel relies on, then dispatch on dtype.
-at::Tensor paged_decode_attention(
+// Host wrapper: validate everything the kernel relies on, then dispatch on dtype and path.
+at::Tensor paged_attention(
     const at::Tensor& query,         // [B, Hq, D]
     const at::Tensor& k_cache,       // [num_blocks, bs, Hkv, D]
     const at::Tensor& v_cache,       // [num_blocks, bs, Hkv, D]
@@ -247,7 +235,7 @@ at::Tensor paged_decode_attention(
     const at::Tensor& context_lens,  // [B] int64
     double scale) {
   for (const at::Tensor* t : {&query, &k_cache, &v_cache, &block_table, &context_lens}) {
-    TORCH_CHECK(t->device().is_cpu(), "paged_decode_attention: all tensors must be on the CPU");
+    TORCH_CHECK(t->device().is_cpu(), "paged_attention: all tensors must be on the CPU");
   }
   TORCH_CHECK(query.dim() == 3, "query must be [B, Hq, D], got ", query.sizes());
   TORCH_CHECK(k_cache.dim() == 4, "k_cache must be [blocks, block_size, Hkv, D]");
@@ -257,7 +245,7 @@ at::Tensor paged_decode_attention(
       "query, k_cache and v_cache must share a dtype");
   TORCH_CHECK(
       query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
-      "paged_decode_attention supports float32 and bfloat16, got ", query.scalar_type());
+      "paged_attention supports float32 and bfloat16, got ", query.scalar_type());
   TORCH_CHECK(query.size(2) == k_cache.size(3), "query and cache head_dim differ");
   TORCH_CHECK(
       k_cache.size(2) > 0 && query.size(1) % k_cache.size(2) == 0,
@@ -290,11 +278,19 @@ at::Tensor paged_decode_attention(
     return out;
   }
   if (query.scalar_type() == at::kFloat) {
-    decode_attention_kernel<float>(query, k_cache, v_cache, block_table, context_lens, scale, out);
-  } else {
-    decode_attention_kernel<c10::BFloat16>(
+    paged_attention_kernel<float, false>(
         query, k_cache, v_cache, block_table, context_lens, scale, out);
+    return out;
   }
+#if defined(__AVX512BF16__)
+  if (query.size(2) % kPairChunk == 0) {  // whole vdpbf16ps operands along head_dim
+    paged_attention_kernel<c10::BFloat16, true>(
+        query, k_cache, v_cache, block_table, context_lens, scale, out);
+    return out;
+  }
+#endif
+  paged_attention_kernel<c10::BFloat16, false>(
+      query, k_cache, v_cache, block_table, context_lens, scale, out);
   return out;
 }
 
@@ -303,7 +299,7 @@ at::Tensor paged_decode_attention(
 
 TORCH_LIBRARY_FRAGMENT(corefleet_cpu, m) {
   m.def(
-      "paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, "
+      "paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, "
       "Tensor block_table, Tensor context_lens, float scale) -> Tensor",
-      &corefleet::paged_decode_attention);
+      &corefleet::paged_attention);
 }

@@ -7,21 +7,18 @@
 //   returns [M, N]   x's dtype
 //
 // Why it exists: in a decode step a linear layer streams its whole weight matrix from DRAM
-// (the model's weights do not fit the caches) for a few rows of arithmetic. MKL's GEMV reaches
-// ~11 GB/s on the project's 2-core machine where a plain read of the same bytes runs at
-// ~30 GB/s, and MKL's float32 GEMM with cold weights stays at 40-120 GFLOP/s for 8-64 rows
-// against ~185 at 2048 rows. Here each thread takes a contiguous band of weight rows. With up
-// to 24 x rows it cuts the band into eight sub-bands and walks them side by side: a tile is
-// one row from each sub-band, so the thread reads eight long sequential streams that the
-// hardware prefetcher follows from start to end. (Tiles of eight adjacent rows make every
-// stream one row long, a few cache lines, which the prefetcher has barely picked up before it
-// ends: one x row in bfloat16 read 19 GB/s that way and reads 31 GB/s side by side, the
-// speed of a plain read.) With more x rows a tile is eight adjacent rows, and each tile
-// prefetches the next while it computes. Each tile's dot products with every x row are
-// computed while its rows sit in L1, three x rows per pass, and a tile of adjacent rows stores
-// each x row's outputs as one masked vector run. Measured with cold weights (SmolLM2's
-// shapes): float32 1.3-1.9x MKL's rate at 16-64 rows; bfloat16 (vdpbf16ps) 2.2x oneDNN's at
-// one row, 1.5-1.6x at 32-64.
+// (the model's weights do not fit the caches) for a few rows of arithmetic, and MKL's GEMV and
+// its GEMM on so few rows read the weights well below a plain read's bandwidth
+// (docs/kernels.md has this file's measurements). Here each thread takes a contiguous band of
+// weight rows. With up to 24 x rows it cuts the band into eight sub-bands and walks them side
+// by side: a tile is one row from each sub-band, so the thread reads eight long sequential
+// streams that the hardware prefetcher follows from start to end. (Tiles of eight adjacent
+// rows make every stream one row long, a few cache lines, which the prefetcher has barely
+// picked up before it ends; side by side, one x row reads at the speed of a plain read.) With
+// more x rows a tile is eight adjacent rows, and each tile prefetches the next while it
+// computes. Each tile's dot products with every x row are computed while its rows sit in L1,
+// three x rows per pass, and a tile of adjacent rows stores each x row's outputs as one masked
+// vector run.
 //
 // Numerics: float32 accumulation in both dtypes; bfloat16 products are exact in float32
 // (weights widened, or multiplied in pairs by vdpbf16ps where the CPU has AVX512-BF16). Each
@@ -35,6 +32,7 @@
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
+#include "scalar.h"
 #include "vec_avx512.h"
 
 #include <algorithm>
@@ -50,12 +48,6 @@ constexpr int64_t kMaxRows = 64;    // x rows this op accepts; larger batches ar
 constexpr int64_t kRowsPerTile = 8;  // weight rows streamed together
 constexpr int64_t kMaxRowsSideBySide = 24;  // x rows up to which a tile takes rows from sub-bands
 constexpr int64_t kLanes = 16;       // floats per partial-sum vector
-
-inline float widen(float v) { return v; }
-inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
-
-inline void store(float value, float* out) { *out = value; }
-inline void store(float value, c10::BFloat16* out) { *out = c10::BFloat16(value); }
 
 #if defined(__AVX512F__)
 // dots[j * R + r] = <w[r * row_step], x[j]> for R weight rows row_step elements apart and MM
@@ -95,8 +87,8 @@ inline void tile_dots(const T* w, int64_t row_step, int64_t k, const float* x, f
 #if defined(__AVX512BF16__)
 // bfloat16 weights against bfloat16 x rows without widening either: vdpbf16ps multiplies 16
 // pairs of bfloat16 values exactly in float32 and adds both products to a float32 lane, so one
-// instruction does the work of two widen-and-FMA steps (the compute-bound rows of a decode
-// batch run ~1.6x faster). Denormal inputs count as zero, as the instruction defines; k % 32 == 0.
+// instruction does the work of two widen-and-FMA steps, which speeds up the compute-bound rows
+// of a decode batch. Denormal inputs count as zero, as the instruction defines; k % 32 == 0.
 template <int R, int MM>
 inline void tile_dots_bf16_pairs(const c10::BFloat16* w, int64_t row_step, int64_t k,
                                  const c10::BFloat16* x, float* dots) {
@@ -168,9 +160,7 @@ inline void store_run(const float* v, const T* bias, T* out) {
     _mm512_mask_storeu_ps(out, mask, sum);
   } else {
     if (bias != nullptr) {
-      const __m256i bits = _mm256_maskz_loadu_epi16(mask, bias);
-      sum = _mm512_add_ps(
-          sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+      sum = _mm512_add_ps(sum, widen16(_mm256_maskz_loadu_epi16(mask, bias)));
     }
     _mm256_mask_storeu_epi16(out, mask, round_to_bf16(sum));
   }
@@ -211,7 +201,7 @@ inline void tile(const T* w, const T* bias, const X* xs, int64_t row0, int64_t s
 
 // All x rows against R weight rows, three x rows at a time: R * 3 accumulators plus the x and
 // weight vectors fit in the 32 AVX-512 registers at R = 8 (four x rows would spill). Three
-// rather than two loads fewer x vectors per FMA: +10-20 % at 32-64 rows.
+// rather than two loads fewer x vectors per FMA, which pays at 32-64 rows.
 // `next` (or nullptr) is the tile to read after this one, [next_elems] contiguous weights:
 // each pass over x prefetches its share, so the next tile is in cache when it starts instead
 // of stalling its first pass on DRAM (adjacent tiles are short streams the hardware
@@ -220,7 +210,7 @@ template <typename T, typename X, int R>
 inline void tile_all_rows(const T* w, const T* bias, const X* xs, int64_t row0, int64_t step,
                           int64_t m, int64_t k, int64_t n, T* out, const T* next = nullptr,
                           int64_t next_elems = 0) {
-  if (next == nullptr) {  // side by side: the plain loop (one merged loop measured ~3 % slower)
+  if (next == nullptr) {  // side by side: the plain loop (one merged loop measured slower)
     int64_t m0 = 0;
     for (; m0 + 3 <= m; m0 += 3) tile<T, X, R, 3>(w, bias, xs, row0, step, m0, k, n, out);
     for (; m0 + 2 <= m; m0 += 2) tile<T, X, R, 2>(w, bias, xs, row0, step, m0, k, n, out);
@@ -254,10 +244,10 @@ inline void tile_all_rows(const T* w, const T* bias, const X* xs, int64_t row0, 
 // One thread's band of weight rows [r0, r1). With few x rows, kRowsPerTile sub-bands of
 // `step` rows walked side by side; with more, tiles of adjacent rows: a tile's rows are then
 // reused by several passes over x from L1, and rows `step` apart often map to the same L1 sets
-// (step * K * sizeof(T) a multiple of 4 KiB) and evict each other (float32 5-7 % slower at
-// 48-64 rows side by side). At 32 rows adjacent tiles with prefetch win (bfloat16 262 vs 179
-// GFLOP/s), at 20-24 sub-bands do (float32 123-130 vs 105-115). The fewer than
-// kRowsPerTile rows left over form one tile of adjacent rows.
+// (step * K * sizeof(T) a multiple of 4 KiB) and evict each other. Measured, adjacent tiles
+// with prefetch win from 32 rows and sub-bands up to 24 (kMaxRowsSideBySide; the figures are
+// in docs/kernels.md). The fewer than kRowsPerTile rows left over form one tile of adjacent
+// rows.
 template <typename T, typename X>
 void band(const T* w, const T* bias, const X* xs, int64_t r0, int64_t r1, int64_t m,
           int64_t k, int64_t n, T* out) {

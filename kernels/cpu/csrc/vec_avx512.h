@@ -1,5 +1,6 @@
 // AVX-512 helpers shared by the C++ CPU ops: 16-lane float32 loads and stores from float32 or
-// bfloat16 memory, a vectorised exp, and batched horizontal sums. Only compiled where the target has AVX-512F.
+// bfloat16 memory (the vector forms of scalar.h's widen and store), a vectorised exp, and
+// batched horizontal sums. Only compiled where the target has AVX-512F.
 #pragma once
 
 #if defined(__AVX512F__)
@@ -11,10 +12,13 @@ namespace corefleet {
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
-inline __m512 load16(const c10::BFloat16* p) {
-  // bf16 -> fp32 is exact: widen the 16-bit patterns and shift them into the high half.
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+// 16 bfloat16 bit patterns as float32: exact, each shifted into the high half of its lane.
+inline __m512 widen16(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+inline __m512 load16(const c10::BFloat16* p) {
+  return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }

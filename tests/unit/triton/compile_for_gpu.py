@@ -21,21 +21,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from corefleet.kernels.triton_ops import (
-    activation as triton_activation,
-)
-from corefleet.kernels.triton_ops import (
-    attention as triton_attention,
-)
-from corefleet.kernels.triton_ops import (
-    kv_cache as triton_kv_cache,
-)
-from corefleet.kernels.triton_ops import (
-    rms_norm as triton_rms_norm,
-)
-from corefleet.kernels.triton_ops import (
-    rotary as triton_rotary,
-)
+from corefleet.kernels.triton_ops import activation as triton_activation
+from corefleet.kernels.triton_ops import attention as triton_attention
+from corefleet.kernels.triton_ops import kv_cache as triton_kv_cache
+from corefleet.kernels.triton_ops import rms_norm as triton_rms_norm
+from corefleet.kernels.triton_ops import rotary as triton_rotary
 
 TARGETS = [GPUTarget("cuda", 90, 32)]  # H100/H200
 

@@ -1,4 +1,4 @@
-"""Choosing the Triton and flash-attn backends, and the Triton backend through the protocol."""
+"""Choosing the Triton and flash-attn backends, and the Triton backend against the torch one."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from corefleet.kernels import backend as backend_module
 from corefleet.kernels import flash_attn as flash_attn_backend
-from corefleet.kernels.backend import TorchReferenceBackend, select_attention_backend
+from corefleet.kernels.backend import KernelBackend, select_kernel_backend
 from corefleet.kernels.triton_ops import support as triton_support
 from corefleet.kernels.triton_ops.backend import TritonBackend
 from tests.kernel_cases import (
@@ -25,19 +25,19 @@ CUDA = torch.device("cuda")  # only named, never touched: these tests run withou
 
 
 def test_triton_runs_on_cpu_under_the_interpreter() -> None:
-    chosen = select_attention_backend("triton", CPU)
+    chosen = select_kernel_backend("triton", CPU)
     assert chosen.name == "triton" and chosen.needs_block_tables
 
 
 def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(triton_support, "interpreter_enabled", lambda: False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        select_attention_backend("triton", CPU)
+        select_kernel_backend("triton", CPU)
 
 
 def test_flash_attn_is_refused_with_its_reason() -> None:
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        select_attention_backend("flash-attn", CPU)
+        select_kernel_backend("flash-attn", CPU)
 
 
 def test_flash_attn_fit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -64,7 +64,7 @@ def test_auto_on_cuda_prefers_flash_attn_then_triton(monkeypatch: pytest.MonkeyP
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_equals_reference_backend(dtype: torch.dtype) -> None:
-    triton_backend, torch_backend = TritonBackend(), TorchReferenceBackend()
+    triton_backend, torch_backend = TritonBackend(), KernelBackend()
     batch = paged_batch(mixed_requests(16), 16, 2, 3, 64, dtype, seed=5)
     expected = torch_backend.paged_attention(
         batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta, 0.125

@@ -12,21 +12,11 @@ import pytest
 import torch
 
 from corefleet.kernels import reference
-from corefleet.kernels.triton_ops import (
-    activation as triton_activation,
-)
-from corefleet.kernels.triton_ops import (
-    attention as triton_attention,
-)
-from corefleet.kernels.triton_ops import (
-    kv_cache as triton_kv_cache,
-)
-from corefleet.kernels.triton_ops import (
-    rms_norm as triton_rms_norm,
-)
-from corefleet.kernels.triton_ops import (
-    rotary as triton_rotary,
-)
+from corefleet.kernels.triton_ops import activation as triton_activation
+from corefleet.kernels.triton_ops import attention as triton_attention
+from corefleet.kernels.triton_ops import kv_cache as triton_kv_cache
+from corefleet.kernels.triton_ops import rms_norm as triton_rms_norm
+from corefleet.kernels.triton_ops import rotary as triton_rotary
 from tests.kernel_cases import (
     assert_close,
     mixed_requests,

@@ -1,12 +1,12 @@
-// The bfloat16 decode attention's inner loops on CPUs with AVX512-BF16: both passes multiply
+// The bfloat16 paged attention's inner loops on CPUs with AVX512-BF16: both passes multiply
 // bf16 pairs with vdpbf16ps instead of widening every K and V element to float32 first.
 // Private to paged_attention_cpu.cpp, which takes this path for bfloat16 caches whose head_dim
-// is a multiple of 32 and keeps decode_attention_blocks.h's loops for everything else.
+// is a multiple of 32 and keeps paged_attention_blocks.h's loops for everything else.
 //
 // Why: widened, the kernel is compute-bound. Per position and KV head it spent ~60 vector
 // instructions (three per 16 widened elements, then one FMA per query and 16 elements) and
-// reached about half the memory bandwidth. vdpbf16ps takes 32 bf16 pairs and does two
-// multiply-adds per lane, with the bf16 products exact in float32.
+// fell well short of the memory bandwidth (docs/kernels.md). vdpbf16ps takes 32 bf16 pairs
+// and does two multiply-adds per lane, with the bf16 products exact in float32.
 //
 // Numerics: pass 1 is exact products summed in float32, as the widened path, in another order.
 // Pass 2 multiplies V by the probabilities rounded to bfloat16 (what transformers' bfloat16
@@ -18,7 +18,7 @@
 
 #include <c10/util/BFloat16.h>
 
-#include "decode_attention_blocks.h"
+#include "paged_attention_blocks.h"
 #include "vec_avx512.h"
 
 #include <algorithm>

@@ -1,16 +1,7 @@
-"""Reading a llama.cpp GGUF file: architecture metadata and dequantized weights.
+"""Reading a llama.cpp GGUF file's metadata: its architecture and its tokenizer.
 
-Weights come out under Hugging Face Llama names and shapes, so the model code has one naming
-scheme whatever the source. Two things differ from a Hugging Face checkpoint beyond the names:
-
-* Every tensor may be quantized (Q4_1, Q8_0, K-quants, ...). ``gguf.quants.dequantize`` turns it
-  into float32; we then cast to the requested dtype. GGUF lists dimensions fastest-first (ggml
-  order), so the HF shape is the reversed GGUF shape.
-* llama.cpp runs Llama with the "normal" (GPT-J style, interleaved pairs) rotary kernel, while HF
-  rotates the two halves of each head (NeoX style). Its converter therefore permutes the rows of
-  ``q_proj``/``k_proj`` within each head: HF row ``h*d + i*(d/2) + j`` (half ``i``, index ``j``)
-  is stored at row ``h*d + 2*j + i``. ``unpermute_rotary`` inverts that. Qwen2 is run with the
-  NeoX kernel by llama.cpp and stored unpermuted.
+Nothing here needs torch: the coordinator reads the tokenizer and the architecture of the model
+it serves from the same file without loading weights (``gguf_weights`` yields those).
 """
 
 from __future__ import annotations
@@ -18,43 +9,20 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from corefleet.engine.models.arch import ArchConfig
-
-if TYPE_CHECKING:  # torch only for annotations: the coordinator reads models without it
-    import torch
 
 # GGUF general.architecture -> the HF architecture our model code implements.
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
-# Architectures whose q/k rows llama.cpp permuted for its interleaved rotary kernel.
-_PERMUTED_QK = frozenset({"llama"})
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 # Llama 3.1+ rope scaling is stored as a tensor of per-frequency divisors, not as metadata.
-_ROPE_FREQS = "rope_freqs.weight"
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 
 def open_gguf(path: str | os.PathLike[str]) -> Any:
@@ -225,8 +193,8 @@ def _rope_scaling(
     kind = gguf_value(reader, f"{arch}.rope.scaling.type")
     factor = gguf_value(reader, f"{arch}.rope.scaling.factor")
     original = gguf_value(reader, f"{arch}.rope.scaling.original_context_length")
-    if _ROPE_FREQS in tensors:
-        freqs = _dequantize(tensors[_ROPE_FREQS]).reshape(-1)
+    if ROPE_FREQS_TENSOR in tensors:
+        freqs = dequantize_tensor(tensors[ROPE_FREQS_TENSOR]).reshape(-1)
         return _llama3_rope_from_freq_factors(freqs, head_dim, theta, path)
     if kind in (None, "none") or factor in (None, 1.0):
         return None
@@ -279,76 +247,10 @@ def _llama3_rope_from_freq_factors(
     }
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name for a GGUF tensor name, or None if it has none."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".")
-    # blk.{i}.{kind}.{weight|bias}
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    return None
-
-
-def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation: interleaved rotary pairs back to split halves.
-
-    ``weight`` is ``[num_heads * head_dim, ...]`` (a weight matrix or a bias vector).
-    """
-    rows = weight.shape[0]
-    rest = weight.shape[1:]
-    # Stored row order within a head is (j, half); HF's is (half, j).
-    return (
-        weight.reshape(num_heads, rows // num_heads // 2, 2, *rest)
-        .transpose(1, 2)
-        .reshape(rows, *rest)
-        .contiguous()
-    )
-
-
-def _dequantize(tensor: Any) -> np.ndarray:
+def dequantize_tensor(tensor: Any) -> np.ndarray:
+    """A GGUF tensor as float32 numpy, in the Hugging Face (reversed GGUF) shape."""
     from gguf.quants import dequantize
 
     array = dequantize(tensor.data, tensor.tensor_type)
     shape = tuple(int(d) for d in reversed(tensor.shape))
     return np.asarray(array).reshape(shape)
-
-
-def iter_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every weight in the GGUF file, dequantized to ``dtype``.
-
-    The file is opened and its architecture checked now; tensors are dequantized lazily.
-
-    Raises:
-        ValueError: unreadable file, unsupported architecture, or (while iterating) a tensor
-            with no Llama counterpart.
-    """
-    reader = open_gguf(path)
-    arch = gguf_architecture(reader, path)
-    return _generate_gguf_weights(reader, arch, path, dtype)
-
-
-def _generate_gguf_weights(
-    reader: Any, arch: str, path: str, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
-    heads = int(gguf_value(reader, f"{arch}.attention.head_count"))
-    kv_heads = int(gguf_value(reader, f"{arch}.attention.head_count_kv", heads))
-    permuted = arch in _PERMUTED_QK
-    for tensor in reader.tensors:
-        if tensor.name == _ROPE_FREQS:
-            continue  # folded into ArchConfig.rope_scaling
-        name = hf_name(tensor.name)
-        if name is None:
-            raise ValueError(f"{path}: GGUF tensor {tensor.name!r} has no Llama counterpart")
-        array = _dequantize(tensor)
-        if not array.flags.writeable:
-            # F32 tensors come back as views of the read-only memory map.
-            array = array.copy()
-        import torch  # here, not at the top: reading metadata must not need torch
-
-        weight = torch.from_numpy(array)
-        if permuted and tensor.name.endswith((".attn_q.weight", ".attn_q.bias")):
-            weight = unpermute_rotary(weight, heads)
-        elif permuted and tensor.name.endswith((".attn_k.weight", ".attn_k.bias")):
-            weight = unpermute_rotary(weight, kv_heads)
-        yield name, weight.to(dtype)

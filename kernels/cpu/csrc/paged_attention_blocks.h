@@ -1,4 +1,4 @@
-// The inner loops of the CPU decode attention (paged_attention_cpu.cpp): pass 1 scores runs of
+// The inner loops of the CPU paged attention (paged_attention_cpu.cpp): pass 1 scores runs of
 // positions against a KV head's queries, pass 2 accumulates probability-weighted V rows, plus
 // the softmax's exp-and-sum and the K prefetch through the block table. An AVX-512 version of
 // each and a portable one with the same signatures. Private to that file.
@@ -6,12 +6,12 @@
 
 #include <c10/util/BFloat16.h>
 
+#include "scalar.h"
 #include "vec_avx512.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace corefleet {
@@ -47,25 +47,6 @@ inline void axpy(float* __restrict out, float weight, const float* __restrict x,
   }
 }
 
-// A cache row as float32: float32 rows are used in place, bfloat16 rows are widened into
-// `scratch` (exact: bf16 is the top half of an fp32 bit pattern).
-inline const float* as_float(const float* row, float* /*scratch*/, int64_t /*n*/) {
-  return row;
-}
-
-inline const float* as_float(const c10::BFloat16* row, float* __restrict scratch, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t widened = static_cast<uint32_t>(bits[i]) << 16;
-    std::memcpy(&scratch[i], &widened, sizeof(float));
-  }
-  return scratch;
-}
-
-inline void store(float value, float* out) { *out = value; }
-inline void store(float value, c10::BFloat16* out) { *out = c10::BFloat16(value); }
-
-
 // Where one row's K or V lives: its block table and the cache geometry.
 template <typename scalar_t>
 struct RowCache {
@@ -80,7 +61,7 @@ struct RowCache {
 #if defined(__AVX512F__)
 // Explicit AVX-512 versions of the two inner loops and of exp. GCC's auto-vectorised loops
 // above leave the horizontal sums and the scalar libm exp on the critical path, which made
-// the kernel compute-bound at ~2x the cost of the memory traffic.
+// the kernel compute-bound, well above the cost of its memory traffic (docs/kernels.md).
 constexpr int64_t kVec = 16;  // floats per __m512
 
 // s[t] = exp(s[t] - max_score); returns the sum of the new s.
@@ -237,7 +218,7 @@ inline void score_row(
     int64_t score_stride) {
   thread_local std::vector<float> widened;  // [D] the row as float32
   widened.resize(head_dim);
-  const float* k = as_float(k_row, widened.data(), head_dim);
+  const float* k = widen_row(k_row, widened.data(), head_dim);
   for (int64_t g = 0; g < group; ++g) {
     scores[g * score_stride] = dot(q + g * head_dim, k, head_dim);
   }
@@ -249,7 +230,7 @@ inline void accumulate_row(
     float* acc) {
   thread_local std::vector<float> widened;  // [D] the row as float32
   widened.resize(head_dim);
-  const float* v = as_float(v_row, widened.data(), head_dim);
+  const float* v = widen_row(v_row, widened.data(), head_dim);
   for (int64_t g = 0; g < group; ++g) {
     axpy(acc + g * head_dim, p[g * p_stride], v, head_dim);
   }
@@ -283,9 +264,9 @@ void accumulate_head(
 // Prefetch `width` elements at `offset` in each of the first `count` positions of a block.
 // A row's cache blocks are scattered, so each block would start with a run of misses the
 // hardware prefetcher only catches up with part-way; pass 1 asks for the next block's K while
-// it reads the current one (the kernel was load-latency bound at ~12 GB/s without this).
-// Locality 2 (prefetcht1) fills L2, not L1: into L1, the misses in flight are capped by L1's
-// few fill buffers, and 64 rows x 320 tokens of bfloat16 read at 14 GB/s instead of 22-24.
+// it reads the current one (without this the kernel was load-latency bound). Locality 2
+// (prefetcht1) fills L2, not L1: into L1, the misses in flight are capped by L1's few fill
+// buffers, which cost bandwidth (docs/kernels.md has the figures).
 template <typename scalar_t>
 inline void prefetch_block(
     const scalar_t* block, int64_t count, int64_t token_stride, int64_t offset, int64_t width) {

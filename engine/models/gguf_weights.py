@@ -1,0 +1,114 @@
+"""Dequantized weights from a llama.cpp GGUF file, under Hugging Face Llama names and shapes.
+
+The model code has one naming scheme whatever the source. Two things differ from a Hugging Face
+checkpoint beyond the names:
+
+* Every tensor may be quantized (Q4_1, Q8_0, K-quants, ...). ``gguf.quants.dequantize`` turns it
+  into float32; we then cast to the requested dtype. GGUF lists dimensions fastest-first (ggml
+  order), so the HF shape is the reversed GGUF shape.
+* llama.cpp runs Llama with the "normal" (GPT-J style, interleaved pairs) rotary kernel, while HF
+  rotates the two halves of each head (NeoX style). Its converter therefore permutes the rows of
+  ``q_proj``/``k_proj`` within each head: HF row ``h*d + i*(d/2) + j`` (half ``i``, index ``j``)
+  is stored at row ``h*d + 2*j + i``. ``unpermute_rotary`` inverts that. Qwen2 is run with the
+  NeoX kernel by llama.cpp and stored unpermuted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from corefleet.engine.models.gguf_metadata import (
+    ROPE_FREQS_TENSOR,
+    dequantize_tensor,
+    gguf_architecture,
+    gguf_value,
+    open_gguf,
+)
+
+# Architectures whose q/k rows llama.cpp permuted for its interleaved rotary kernel.
+_PERMUTED_QK = frozenset({"llama"})
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face parameter name for a GGUF tensor name, or None if it has none."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    # blk.{i}.{kind}.{weight|bias}
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation: interleaved rotary pairs back to split halves.
+
+    ``weight`` is ``[num_heads * head_dim, ...]`` (a weight matrix or a bias vector).
+    """
+    rows = weight.shape[0]
+    rest = weight.shape[1:]
+    # Stored row order within a head is (j, half); HF's is (half, j).
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *rest)
+        .transpose(1, 2)
+        .reshape(rows, *rest)
+        .contiguous()
+    )
+
+
+def iter_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every weight in the GGUF file, dequantized to ``dtype``.
+
+    The file is opened and its architecture checked now; tensors are dequantized lazily.
+
+    Raises:
+        ValueError: unreadable file, unsupported architecture, or (while iterating) a tensor
+            with no Llama counterpart.
+    """
+    reader = open_gguf(path)
+    arch = gguf_architecture(reader, path)
+    return _generate_gguf_weights(reader, arch, path, dtype)
+
+
+def _generate_gguf_weights(
+    reader: Any, arch: str, path: str, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    heads = int(gguf_value(reader, f"{arch}.attention.head_count"))
+    kv_heads = int(gguf_value(reader, f"{arch}.attention.head_count_kv", heads))
+    permuted = arch in _PERMUTED_QK
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS_TENSOR:
+            continue  # folded into ArchConfig.rope_scaling
+        name = hf_name(tensor.name)
+        if name is None:
+            raise ValueError(f"{path}: GGUF tensor {tensor.name!r} has no Llama counterpart")
+        array = dequantize_tensor(tensor)
+        if not array.flags.writeable:
+            # F32 tensors come back as views of the read-only memory map.
+            array = array.copy()
+        weight = torch.from_numpy(array)
+        if permuted and tensor.name.endswith((".attn_q.weight", ".attn_q.bias")):
+            weight = unpermute_rotary(weight, heads)
+        elif permuted and tensor.name.endswith((".attn_k.weight", ".attn_k.bias")):
+            weight = unpermute_rotary(weight, kv_heads)
+        yield name, weight.to(dtype)
