@@ -28,7 +28,7 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy engine kernels operator
+	$(PY) tools/typecheck.py
 
 test: $(STAMP) lint typecheck
 	$(PY) -m pytest -q tests

@@ -8,6 +8,7 @@ the config dataclasses' ``engine_arg(...)`` declarations. A new config field is 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from corefleet.engine.config import ENGINE_ARGS, EngineArg, EngineConfig
 
@@ -39,7 +40,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             )
 
 
-def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, object]:
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Flat engine keyword arguments (as ``LLM(**kwargs)`` takes them) from parsed flags."""
     return {arg.keyword: getattr(args, arg.keyword) for arg in ENGINE_ARGS}
 

@@ -126,21 +126,25 @@ def _check(ok: bool, field: str, value: object, rule: str) -> None:
         raise ValueError(f"invalid sampling parameter {field}={value!r}: {rule}")
 
 
+def validate_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
+    """Raise ``ValueError`` when a prompt of this length cannot be served (empty, or no room)."""
+    if num_prompt_tokens == 0:
+        raise ValueError("the prompt is empty: at least one token is required")
+    if num_prompt_tokens >= max_model_len:  # equal: the sampled token would have no position left
+        raise ValueError(
+            f"the prompt has {num_prompt_tokens} tokens but the model's maximum context length "
+            f"(max_model_len) is {max_model_len}: a prompt may have at most "
+            f"{max_model_len - 1} tokens, to leave room for the output"
+        )
+
+
 def validate_prompt(prompt_token_ids: Sequence[int], max_model_len: int, vocab_size: int) -> None:
     """Raise ``ValueError`` when an engine cannot serve this prompt, with one message per fault.
 
     The frontends call it to refuse a prompt before anything is queued; the engine calls it
     again on every request it receives, because a wire client need not have gone through one.
     """
-    num_prompt = len(prompt_token_ids)
-    if num_prompt == 0:
-        raise ValueError("the prompt is empty: at least one token is required")
-    if num_prompt >= max_model_len:  # equal: the sampled token would have no position left
-        raise ValueError(
-            f"the prompt has {num_prompt} tokens but the model's maximum context length "
-            f"(max_model_len) is {max_model_len}: a prompt may have at most "
-            f"{max_model_len - 1} tokens, to leave room for the output"
-        )
+    validate_prompt_length(len(prompt_token_ids), max_model_len)
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(

@@ -168,4 +168,5 @@ async def rank_pod_event(
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
 def engine_deleted(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     """Forget the engine; its children go with it through their owner references."""
-    _runtime(memo).forget((namespace, name))
+    # InferenceEngine is namespaced: kopf always passes a namespace here.
+    _runtime(memo).forget((namespace or "", name))

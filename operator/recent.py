@@ -53,7 +53,12 @@ class RecentWrites:
         for name, (since, uid) in list(self.deleted.items()):
             rank = by_name.get(name)
             pod = pods.get(rank) if rank is not None else None
-            if pod is None or pod["metadata"].get("uid") != uid or podlib.is_terminating(pod):
+            if (
+                rank is None
+                or pod is None
+                or pod["metadata"].get("uid") != uid
+                or podlib.is_terminating(pod)
+            ):
                 del self.deleted[name]  # gone, replaced, or the index caught up
             elif now - since > MEMORY_SECONDS:
                 del self.deleted[name]

@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import zmq
@@ -73,7 +74,7 @@ class FleetClient:
         policy: RoutingPolicy,
         max_migrations: int = 2,
         wait_for_rank_s: float = 30.0,
-        **server_args: object,
+        **server_args: Any,
     ) -> None:
         self.policy = policy
         self.max_migrations = max_migrations

@@ -20,7 +20,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from corefleet.engine.core.block_hash import BlockHash, hash_block_tokens
+from corefleet.engine.core.block_hash import BlockHash, hash_full_blocks
 
 WAITING_WEIGHT = 4
 
@@ -53,13 +53,7 @@ def prefix_block_hashes(
 ) -> list[BlockHash]:
     """Chained hashes of the full blocks of ``token_ids`` exactly as the engine computes them, so
     a prefix the router considers shared is one the engine's prefix cache can reuse."""
-    hashes: list[BlockHash] = []
-    parent: BlockHash | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        extra = (cache_salt,) if start == 0 and cache_salt else None
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra)
-        hashes.append(parent)
-    return hashes
+    return hash_full_blocks(token_ids, block_size, cache_salt)
 
 
 def _candidates(ranks: Sequence[RankLoad], exclude: Collection[int]) -> list[RankLoad]:

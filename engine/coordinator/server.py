@@ -120,7 +120,8 @@ class FleetServer:
             except msgspec.MsgspecError as exc:
                 logger.warning("dropped an undecodable handshake message: %s", exc)
                 continue
-            if getattr(message, "rank", None) is None or identity != rank_identity(message.rank):
+            rank = getattr(message, "rank", None)  # HELLO and READY carry the sender's rank
+            if not isinstance(rank, int) or identity != rank_identity(rank):
                 logger.warning("dropped a handshake message whose identity is not its rank")
                 continue
             now = time.monotonic()

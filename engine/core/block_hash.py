@@ -64,12 +64,28 @@ class ChainedBlockHasher:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         first = len(hashes) * block_size
-        new_hashes: list[BlockHash] = []
         if first + block_size > len(tokens):
-            return new_hashes  # no block completed since the last call
+            return []  # no block completed since the last call
         parent = hashes[-1] if hashes else None
-        for start in range(first, len(tokens) - block_size + 1, block_size):
-            extra = (request.cache_salt,) if start == 0 and request.cache_salt else None
-            parent = hash_block_tokens(parent, tokens[start : start + block_size], extra)
-            new_hashes.append(parent)
-        return new_hashes
+        return hash_full_blocks(tokens, block_size, request.cache_salt, first, parent)
+
+
+def hash_full_blocks(
+    tokens: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    first: int = 0,
+    parent: BlockHash | None = None,
+) -> list[BlockHash]:
+    """Chained hashes of the full blocks of ``tokens`` from token ``first`` on.
+
+    ``parent`` is the hash of the block before ``first`` (None at the start). The scheduler's
+    hasher and the coordinator's prefix-aware router both call this, so a prefix the router
+    considers shared is one the engine's prefix cache can reuse.
+    """
+    hashes: list[BlockHash] = []
+    for start in range(first, len(tokens) - block_size + 1, block_size):
+        extra = (cache_salt,) if start == 0 and cache_salt else None
+        parent = hash_block_tokens(parent, tokens[start : start + block_size], extra)
+        hashes.append(parent)
+    return hashes

@@ -28,7 +28,7 @@ from corefleet.engine.core.scheduler_output import (
     SchedulerOutput,
 )
 from corefleet.engine.core.step_loops import NO_BLOCKS, collect_outputs, schedule_decodes
-from corefleet.engine.messages import EngineCoreOutputs, SchedulerStats
+from corefleet.engine.messages import EngineCoreOutputs, SchedulerStats, validate_prompt_length
 from corefleet.engine.request import BlockHasher, Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
@@ -90,12 +90,7 @@ class Scheduler:
         """Queue a new request. Raises ValueError for a duplicate id or an unservable prompt."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        num_prompt, max_len = request.num_prompt_tokens, self.max_model_len
-        if num_prompt == 0:
-            raise ValueError("prompt must contain at least one token")
-        if num_prompt >= max_len:  # equal: the sampled token would have no position left
-            relation = "exceeds" if num_prompt > max_len else "leaves no room for output within"
-            raise ValueError(f"prompt of {num_prompt} tokens {relation} max_model_len {max_len}")
+        validate_prompt_length(request.num_prompt_tokens, self.max_model_len)
         self.waiting.add(request)
         self.requests[request.request_id] = request
 

@@ -53,11 +53,12 @@ def schedule_decodes(
         if len(request.all_token_ids) != position or position >= max_model_len:
             break
         if position % block_size > 1:
-            new_block_ids: list[int] | None = NO_BLOCKS
+            new_block_ids = NO_BLOCKS
         else:
-            new_block_ids = kv.allocate_decode_slot(request, position)
-            if new_block_ids is None:
+            allocated = kv.allocate_decode_slot(request, position)
+            if allocated is None:
                 break
+            new_block_ids = allocated
         req_id = request.request_id
         add_id(req_id)
         add_blocks(new_block_ids)

@@ -301,6 +301,14 @@ def _from_hf_folder(folder: Path) -> Tokenizer:
 
 
 @lru_cache(maxsize=1)
+def _merge_pair(merge: str) -> tuple[str, str]:
+    """A GGUF merge rule ``"left right"`` as the pair a BPE model takes."""
+    left, space, right = merge.partition(" ")
+    if not space:
+        raise ValueError(f"malformed GGUF merge rule {merge!r}: expected 'left right'")
+    return left, right
+
+
 def _byte_alphabet() -> dict[int, str]:
     """GPT-2's printable stand-in character for every byte value."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
@@ -329,7 +337,7 @@ def _gguf_backend(meta: GGUFTokenizerMetadata, path: str) -> Backend:
         for t in meta.tokens
     ]
     vocab = {t: i for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in meta.merges]
+    merges = [_merge_pair(m) for m in meta.merges]
     pre = meta.pre
     backend = Backend(
         models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _IGNORE_MERGES, fuse_unk=False)

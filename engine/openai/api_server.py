@@ -228,7 +228,10 @@ async def _chat_response(
     async for d in _timed(state, generation):
         if top_k is not None:
             content = chat_logprobs(d.token_ids, d.logprobs, top_k).content or []
-            logprobs.setdefault(d.index, p.ChatLogprobs(content=[])).content += content
+            entry = logprobs.setdefault(d.index, p.ChatLogprobs(content=[]))
+            if entry.content is None:
+                entry.content = []
+            entry.content.extend(content)
         texts[d.index] = texts.get(d.index, "") + d.text
         tokens += len(d.token_ids)
         if d.finish_reason is not None:

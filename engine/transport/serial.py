@@ -30,7 +30,7 @@ import re
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar, get_origin
+from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar, get_origin, overload
 
 import msgspec
 import numpy as np
@@ -38,6 +38,7 @@ import numpy as np
 if TYPE_CHECKING:
     from types import ModuleType
 
+    import zmq
     from typing_extensions import Buffer
 
 __all__ = ["ZERO_COPY_THRESHOLD", "MsgpackDecoder", "MsgpackEncoder"]
@@ -185,6 +186,10 @@ class MsgpackDecoder(Generic[T]):
     the module docstring. Not thread-safe (the frames being decoded live on the instance).
     """
 
+    @overload
+    def __init__(self: MsgpackDecoder[Any]) -> None: ...
+    @overload
+    def __init__(self, type: type[T]) -> None: ...
     def __init__(self, type: Any = Any) -> None:
         self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(
             type, ext_hook=self._ext_hook, dec_hook=_dec_hook
@@ -192,11 +197,12 @@ class MsgpackDecoder(Generic[T]):
         self._payload_decoder = msgspec.msgpack.Decoder(_Payload)
         self._frames: Sequence[Buffer] = ()
 
-    def decode(self, frames: Buffer | Sequence[Buffer]) -> T:
+    def decode(self, frames: Buffer | zmq.Frame | Sequence[Buffer | zmq.Frame]) -> T:
         try:
             body = memoryview(frames)  # type: ignore[arg-type]
             seq: Sequence[Buffer] = ()
         except TypeError:  # not a buffer: a sequence of frames
+            # zmq.Frame has the buffer protocol; its type stubs do not declare it.
             seq = frames  # type: ignore[assignment]
             if len(seq) == 0:
                 raise msgspec.DecodeError("no frames to decode") from None

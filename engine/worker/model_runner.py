@@ -206,12 +206,12 @@ class ModelRunner:
         token_start = nd
         for i in range(nd, len(inputs.req_ids)):
             n, ctx = int(inputs.query_lens[i]), int(inputs.context_lens[i])
-            slots_i = None
+            slots_i: torch.Tensor | None = None
             if ctx > n:  # part of the context is already cached: attend through the cache
-                slots_i, _ = self.batch.context_slots(
+                context_slots, _ = self.batch.context_slots(
                     inputs.rows[i : i + 1], inputs.context_lens[i : i + 1], ctx
                 )
-                slots_i = self._to_device(slots_i[0])
+                slots_i = self._to_device(context_slots[0])
             prefills.append(PrefillSpan(token_start, n, ctx, slots_i))
             token_start += n
         token_blocks, token_lens = decode_blocks, decode_lens
