@@ -89,7 +89,9 @@ class ModelConfig:
         default=None,
         metadata=engine_arg("context length (prompt + output); default: the model's own"),
     )
-    seed: int = field(default=0, metadata=engine_arg("seed for weights-free randomness"))
+    seed: int = field(
+        default=0, metadata=engine_arg("seed of random sampling for requests without a seed")
+    )
 
     def __post_init__(self) -> None:
         _require_choice("dtype", self.dtype, Dtype)

@@ -28,12 +28,6 @@ REPO = Path(__file__).resolve().parents[1]
 DOC_PATH = REPO / "docs" / "cli.md"
 WIDTH = 100
 REGENERATE = ".venv/bin/python tools/gen_cli_docs.py"
-# Commands DESIGN.md promises that the coordinator work (issue 4) adds; the page says they are
-# missing for as long as build_parser() does not define them.
-PLANNED_COMMANDS = {
-    "serve": "a coordinator plus N local engine processes (`--data-parallel-size N`)",
-    "coordinator": "the coordinator alone, as the operator's coordinator pod runs it",
-}
 _BOOL_DEFAULT_SUFFIX = " (default: %(default)s)"
 
 
@@ -135,11 +129,6 @@ def _parsers() -> list[argparse.ArgumentParser]:
     return parsers
 
 
-def _missing_planned(parser: argparse.ArgumentParser) -> list[str]:
-    defined = {name for sub in _subparsers(parser) for name in sub.choices}
-    return [name for name in PLANNED_COMMANDS if name not in defined]
-
-
 def render() -> str:
     """The whole of ``docs/cli.md``."""
     corefleet, operator = _parsers()
@@ -157,16 +146,9 @@ def render() -> str:
         "`pip install 'corefleet[engine]'`) and `corefleet-operator` (the Kubernetes operator,",
         "`pip install 'corefleet[operator]'`).",
         "",
+        "Commands:",
+        "",
     ]
-    missing = _missing_planned(corefleet)
-    if missing:
-        out.append("Not implemented yet (planned, issue 4, the coordinator and its OpenAI API):")
-        out.append("")
-        for name in missing:
-            out.append(f"- `corefleet {name}`: {PLANNED_COMMANDS[name]}.")
-        out.append("")
-    out.append("Commands:")
-    out.append("")
     for parser, summary in sections:
         suffix = f": {summary}" if summary else ""
         out.append(f"- [`{parser.prog}`](#{_anchor(parser.prog)}){suffix}")

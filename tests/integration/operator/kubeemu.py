@@ -3,7 +3,7 @@
 kmock's `KubernetesScaffold` gives the HTTP server, discovery, the request log and its reaction DSL
 (`emu['post', kmock.resource('v1/pods')] << 500` still works for fault injection);
 `kubeemu_discovery` declares the resources. The store is our own, because stock `KubernetesEmulator`
-lacks what kopf and kubectl need (shared/reference/kmock-operator-testing.md): server-filled
+lacks what kopf and kubectl need: server-filled
 uid/resourceVersion/creationTimestamp/generation/kind/apiVersion, 409 on stale writes, 422 on a
 failed JSON-patch test, status-subresource isolation, `/scale` through the CRD's `specReplicasPath`,
 label/field selectors, watches that resume from a resourceVersion (410 Expired past the replay
