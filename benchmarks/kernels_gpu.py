@@ -40,7 +40,7 @@ from corefleet.engine.messages import SamplingParams
 from corefleet.engine.models.arch import ArchConfig
 from corefleet.engine.request import Request
 from corefleet.engine.worker.model_runner import ModelRunner
-from corefleet.kernels import flash_attn as flash_attn_backend
+from corefleet.kernels import flash_attn
 from corefleet.kernels.triton_ops import attention as triton_attention
 
 DEVICE = torch.device("cuda")
@@ -116,7 +116,7 @@ def bench_flash_attn_decode(batch: int, context: int) -> float:
     """Milliseconds of one flash_attn_varlen_func call (paged, blocks of 256) on the batch."""
     from flash_attn import flash_attn_varlen_func
 
-    x = _decode_batch(batch, context, flash_attn_backend.FLASH_ATTN_PAGE_MULTIPLE)
+    x = _decode_batch(batch, context, flash_attn.FLASH_ATTN_PAGE_MULTIPLE)
     cu_k = torch.arange(batch + 1, device=DEVICE, dtype=torch.int32) * context
     return triton.testing.do_bench(
         lambda: flash_attn_varlen_func(
@@ -218,7 +218,7 @@ def main() -> None:
     print(f"{name}: peak (device copy, read + write) {peak / 1e12:.2f} TB/s")
     results: dict[str, object] = {"device": name, "peak_bytes_per_s": peak, "attention": []}
     kernels = [("triton", bench_triton_decode)]
-    if flash_attn_backend.flash_attn_installed():
+    if flash_attn.flash_attn_installed():
         kernels.append(("flash-attn", bench_flash_attn_decode))
     else:
         print("flash-attn: not installed, skipped")

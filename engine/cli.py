@@ -1,4 +1,5 @@
-"""The ``corefleet`` command: ``generate`` and ``chat`` (offline), ``engine-core`` (one rank)."""
+"""The ``corefleet`` command: ``serve`` and ``coordinator`` (the OpenAI API), ``engine-core`` (one
+rank), ``generate`` and ``chat`` (offline)."""
 
 from __future__ import annotations
 

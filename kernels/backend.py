@@ -160,13 +160,13 @@ def _build(
 
         return TritonBackend()
     if name == "flash-attn":
-        from corefleet.kernels import flash_attn as flash_attn_backend
+        from corefleet.kernels import flash_attn
 
-        reason = flash_attn_backend.flash_attn_unfit_reason(device, dtype, block_size)
+        reason = flash_attn.flash_attn_unfit_reason(device, dtype, block_size)
         if reason is not None:
             raise ValueError(f"attention backend 'flash-attn' cannot run here: {reason}")
         _check_triton(device)  # its layer ops are the Triton kernels
-        return flash_attn_backend.FlashAttnBackend()
+        return flash_attn.FlashAttnBackend()
     raise ValueError(f"unknown attention backend {name!r}")
 
 
@@ -206,10 +206,10 @@ def _cpu_backend_or_reference() -> KernelBackend:
 def _best_cuda_backend(
     device: torch.device, dtype: torch.dtype | None, block_size: int | None
 ) -> str:
-    from corefleet.kernels import flash_attn as flash_attn_backend
+    from corefleet.kernels import flash_attn
     from corefleet.kernels.triton_ops import support as triton_support
 
-    reason = flash_attn_backend.flash_attn_unfit_reason(device, dtype, block_size)
+    reason = flash_attn.flash_attn_unfit_reason(device, dtype, block_size)
     if reason is None and triton_support.triton_installed():
         return "flash-attn"
     if triton_support.triton_installed():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from corefleet.kernels import backend as backend_module
-from corefleet.kernels import flash_attn as flash_attn_backend
+from corefleet.kernels import flash_attn
 from corefleet.kernels.backend import KernelBackend, select_kernel_backend
 from corefleet.kernels.triton_ops import support as triton_support
 from corefleet.kernels.triton_ops.backend import TritonBackend
@@ -41,22 +41,22 @@ def test_flash_attn_is_refused_with_its_reason() -> None:
 
 
 def test_flash_attn_fit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(flash_attn_backend, "flash_attn_installed", lambda: True)
-    unfit = flash_attn_backend.flash_attn_unfit_reason
+    monkeypatch.setattr(flash_attn, "flash_attn_installed", lambda: True)
+    unfit = flash_attn.flash_attn_unfit_reason
     assert unfit(CUDA, torch.bfloat16, 256) is None
     assert unfit(CUDA, torch.float16, 512) is None
     assert "float32" in (unfit(CUDA, torch.float32, 256) or "")
     assert "multiple of 256" in (unfit(CUDA, torch.bfloat16, 16) or "")
-    monkeypatch.setattr(flash_attn_backend, "flash_attn_installed", lambda: False)
+    monkeypatch.setattr(flash_attn, "flash_attn_installed", lambda: False)
     assert "not installed" in (unfit(CUDA, torch.bfloat16, 256) or "")
 
 
 def test_auto_on_cuda_prefers_flash_attn_then_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     best = backend_module._best_cuda_backend
-    monkeypatch.setattr(flash_attn_backend, "flash_attn_installed", lambda: True)
+    monkeypatch.setattr(flash_attn, "flash_attn_installed", lambda: True)
     assert best(CUDA, torch.bfloat16, 256) == "flash-attn"
     assert best(CUDA, torch.bfloat16, 16) == "triton"  # flash-attn 2 pages are >= 256 tokens
-    monkeypatch.setattr(flash_attn_backend, "flash_attn_installed", lambda: False)
+    monkeypatch.setattr(flash_attn, "flash_attn_installed", lambda: False)
     assert best(CUDA, torch.bfloat16, 256) == "triton"
     monkeypatch.setattr(triton_support, "triton_installed", lambda: False)
     assert best(CUDA, torch.bfloat16, 16) == "torch"

@@ -12,7 +12,7 @@ import zmq
 import zmq.auth.thread
 from zmq.utils.monitor import recv_monitor_message
 
-from corefleet.engine.transport import sockets as net
+from corefleet.engine.transport import sockets
 from corefleet.engine.transport.sockets import (
     CurveKeys,
     bound_address,
@@ -428,17 +428,17 @@ def test_socket_options(znet: _Net, bind: bool) -> None:
     assert sock.getsockopt(zmq.SNDHWM) == 0
     assert sock.getsockopt(zmq.RCVHWM) == 0
     assert sock.getsockopt(zmq.LINGER) == 0
-    assert sock.getsockopt(zmq.HEARTBEAT_IVL) == net.HEARTBEAT_IVL_MS
-    assert sock.getsockopt(zmq.HEARTBEAT_TIMEOUT) == net.HEARTBEAT_TIMEOUT_MS
-    assert sock.getsockopt(zmq.HEARTBEAT_TTL) == net.HEARTBEAT_TTL_MS
+    assert sock.getsockopt(zmq.HEARTBEAT_IVL) == sockets.HEARTBEAT_IVL_MS
+    assert sock.getsockopt(zmq.HEARTBEAT_TIMEOUT) == sockets.HEARTBEAT_TIMEOUT_MS
+    assert sock.getsockopt(zmq.HEARTBEAT_TTL) == sockets.HEARTBEAT_TTL_MS
     assert sock.getsockopt(zmq.IDENTITY) == b"rank-3"
     assert sock.getsockopt(zmq.CURVE_SERVER) == 0  # no CURVE unless asked
 
 
 def test_heartbeats_are_enabled_and_consistent() -> None:
     """A peer must be given longer than one ping interval before it is declared gone."""
-    assert 0 < net.HEARTBEAT_IVL_MS < net.HEARTBEAT_TIMEOUT_MS
-    assert net.HEARTBEAT_TTL_MS >= net.HEARTBEAT_TIMEOUT_MS
+    assert 0 < sockets.HEARTBEAT_IVL_MS < sockets.HEARTBEAT_TIMEOUT_MS
+    assert sockets.HEARTBEAT_TTL_MS >= sockets.HEARTBEAT_TIMEOUT_MS
 
 
 def test_linger_is_configurable(znet: _Net) -> None:
