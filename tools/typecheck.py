@@ -26,6 +26,8 @@ def main() -> int:
     namespace.mkdir(parents=True, exist_ok=True)
     for folder in PACKAGES:
         link = namespace / folder
+        if link.is_symlink() and link.readlink() != REPO / folder:
+            link.unlink()  # left by a checkout at another path: check this one instead
         if not link.is_symlink():
             link.symlink_to(REPO / folder, target_is_directory=True)
     command = [sys.executable, "-m", "mypy", "--config-file", str(REPO / "pyproject.toml")]
