@@ -284,7 +284,8 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from corefleet.engine.engine_args import engine_config_from_args
-    from corefleet.engine.entrypoints.coordinator import CoordinatorOptions, LocalRanks, run
+    from corefleet.engine.entrypoints.coordinator import CoordinatorOptions, run
+    from corefleet.engine.entrypoints.local_ranks import LocalRanks
 
     api_key = args.api_key or envs.api_key()
     if args.command == "coordinator":

@@ -14,21 +14,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import uvicorn
 
 from corefleet.engine import envs
-from corefleet.engine.config import EngineConfig
 from corefleet.engine.coordinator.fleet_client import FleetClient
 from corefleet.engine.coordinator.routing import make_policy
-from corefleet.engine.engine_args import engine_argv_from_config
+from corefleet.engine.entrypoints.local_ranks import LocalRanks
 from corefleet.engine.frontend.tokenizer import Tokenizer
 from corefleet.engine.models.default_model import served_model_name
 from corefleet.engine.models.loader import resolve_model_path
@@ -126,41 +122,3 @@ async def run(options: CoordinatorOptions, local_ranks: LocalRanks | None = None
             await asyncio.to_thread(local_ranks.stop)
         await fleet.close()
     return 0
-
-
-@dataclass
-class LocalRanks:
-    """``serve``'s own ranks: ``corefleet engine-core`` children on loopback."""
-
-    config: EngineConfig
-    count: int
-    shutdown_mode: str
-    shutdown_timeout_s: float
-    procs: list[subprocess.Popen[bytes]] | None = None
-
-    def start(self, handshake_port: int) -> None:
-        self.procs = []
-        for rank in range(self.count):
-            argv = [
-                sys.executable,
-                *(["-P"] if sys.version_info >= (3, 11) else []),
-                *("-m", "corefleet.engine.cli", "engine-core"),
-                *("--coordinator", f"127.0.0.1:{handshake_port}", "--rank", str(rank)),
-                *("--parent-pid", str(os.getpid()), "--health-port", "0"),
-                *("--shutdown-mode", self.shutdown_mode),
-                *("--shutdown-timeout", repr(self.shutdown_timeout_s)),
-                *engine_argv_from_config(self.config),
-            ]
-            self.procs.append(subprocess.Popen(argv))
-        logger.info("started %d local engine rank(s)", self.count)
-
-    def stop(self) -> None:
-        for proc in self.procs or []:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs or []:
-            try:
-                proc.wait(timeout=self.shutdown_timeout_s + 5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
