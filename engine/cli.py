@@ -12,6 +12,7 @@ from corefleet.engine import envs
 from corefleet.engine.config import CacheConfig
 from corefleet.engine.engine_args import add_engine_args, engine_kwargs_from_args
 from corefleet.engine.messages import SamplingParams
+from corefleet.engine.openai.limits import add_limit_args, limits_from_args
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -77,8 +78,10 @@ def _http_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--api-key",
+        action="append",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 and /admin (or COREFLEET_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on /v1 and /admin; repeat for several keys "
+        "(or COREFLEET_API_KEY, comma-separated)",
     )
     g.add_argument(
         "--max-migrations",
@@ -86,6 +89,7 @@ def _http_args(parser: argparse.ArgumentParser) -> None:
         default=2,
         help="times a request may move to another rank when its rank dies (then: an error)",
     )
+    add_limit_args(parser)
 
 
 def _serve_parsers(sub: argparse._SubParsersAction) -> None:
@@ -287,7 +291,8 @@ def _serve(args: argparse.Namespace) -> int:
     from corefleet.engine.entrypoints.coordinator import CoordinatorOptions, run
     from corefleet.engine.entrypoints.local_ranks import LocalRanks
 
-    api_key = args.api_key or envs.api_key()
+    api_keys = tuple(args.api_key or ()) or envs.api_keys()
+    limits = limits_from_args(args)
     if args.command == "coordinator":
         options = CoordinatorOptions(
             model=args.model,
@@ -298,7 +303,8 @@ def _serve(args: argparse.Namespace) -> int:
             zmq_ports=(args.handshake_port, args.input_port, args.output_port),
             routing=args.routing,
             block_size=args.block_size,
-            api_key=api_key,
+            api_keys=api_keys,
+            limits=limits,
             max_migrations=args.max_migrations,
             shutdown_timeout_s=args.shutdown_timeout,
             curve_keys_dir=args.curve_keys_dir,
@@ -316,7 +322,8 @@ def _serve(args: argparse.Namespace) -> int:
         zmq_ports=(0, 0, 0),
         routing=args.routing,
         block_size=config.cache.block_size,
-        api_key=api_key,
+        api_keys=api_keys,
+        limits=limits,
         max_migrations=args.max_migrations,
         shutdown_timeout_s=args.shutdown_timeout,
     )

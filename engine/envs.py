@@ -72,6 +72,8 @@ def engine_heartbeat_timeout_s() -> float:
     return value
 
 
-def api_key() -> str | None:
-    """COREFLEET_API_KEY: the coordinator's API key when --api-key is not given."""
-    return os.environ.get("COREFLEET_API_KEY") or None
+def api_keys() -> tuple[str, ...]:
+    """COREFLEET_API_KEY: the coordinator's API keys, comma-separated, when no --api-key is
+    given (empty: the API is open)."""
+    raw = os.environ.get("COREFLEET_API_KEY") or ""
+    return tuple(key.strip() for key in raw.split(",") if key.strip())

@@ -237,6 +237,7 @@ class ReadyResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     vocab_size: int
     model_name: str
     pid: int = 0
+    max_num_seqs: int = 0  # the most requests in one batch (0: an older rank did not say)
 
 
 class Hello(msgspec.Struct, tag="hello", omit_defaults=True, gc=False):

@@ -151,6 +151,7 @@ class EngineCore:
             vocab_size=self.vocab_size,
             model_name=served_model_name(model.served_model_name, model.model, self.model_path),
             pid=os.getpid(),
+            max_num_seqs=self.config.scheduler.max_num_seqs,
         )
 
     def get_utility(self, name: str) -> Callable[..., Any]:

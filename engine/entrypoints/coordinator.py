@@ -12,23 +12,21 @@ same timeout) and the process exits 0.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
 import socket
-from collections.abc import Iterator
-from dataclasses import dataclass
-
-import uvicorn
+from dataclasses import dataclass, field
 
 from corefleet.engine import envs
 from corefleet.engine.coordinator.fleet_client import FleetClient
 from corefleet.engine.coordinator.routing import make_policy
+from corefleet.engine.entrypoints.http_server import ApiServer, uvicorn_config
 from corefleet.engine.entrypoints.local_ranks import LocalRanks
 from corefleet.engine.frontend.tokenizer import Tokenizer
 from corefleet.engine.models.default_model import served_model_name
 from corefleet.engine.models.loader import resolve_model_path
+from corefleet.engine.openai.admission import ApiKeys
 from corefleet.engine.openai.api_server import ServerState, build_app
+from corefleet.engine.openai.limits import RequestLimits
 from corefleet.engine.openai.metrics import ServingMetrics
 from corefleet.engine.transport.sockets import load_curve_keys
 
@@ -48,7 +46,8 @@ class CoordinatorOptions:
     zmq_ports: tuple[int, int, int] = (5570, 5571, 5572)
     routing: str = "least-loaded"
     block_size: int = 16  # for prefix-aware routing: the ranks' KV block size
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # empty: the API is open
+    limits: RequestLimits = field(default_factory=RequestLimits)
     max_migrations: int = 2
     heartbeat_timeout_s: float = 10.0
     shutdown_timeout_s: float = 30.0
@@ -61,30 +60,6 @@ def advertised_host(options: CoordinatorOptions) -> str:
     if options.bind_host not in ("0.0.0.0", "::", ""):
         return options.bind_host
     return envs.pod_ip() or socket.gethostbyname(socket.gethostname())
-
-
-class _Server(uvicorn.Server):
-    """uvicorn, with readiness dropped the moment a shutdown signal arrives."""
-
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
-        super().__init__(config)
-        self.state = state
-
-    def handle_exit(self, sig: int, frame: object) -> None:
-        self.state.shutting_down = True
-        super().handle_exit(sig, frame)  # type: ignore[arg-type]
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        # uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would kill
-        # the process before the ranks are stopped (and exit -15); a planned shutdown exits 0.
-        handled = (signal.SIGTERM, signal.SIGINT)
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
 
 async def run(options: CoordinatorOptions, local_ranks: LocalRanks | None = None) -> int:
@@ -103,20 +78,21 @@ async def run(options: CoordinatorOptions, local_ranks: LocalRanks | None = None
     )
     await fleet.start()
     state = ServerState(
-        fleet, tokenizer, model_name, options.api_key, ServingMetrics(fleet, model_name)
+        fleet,
+        tokenizer,
+        model_name,
+        ApiKeys(options.api_keys),
+        ServingMetrics(fleet, model_name),
+        options.limits,
     )
-    config = uvicorn.Config(
-        build_app(state),
-        host=options.host,
-        port=options.port,
-        timeout_graceful_shutdown=int(options.shutdown_timeout_s),
-        log_level="warning",
+    config = uvicorn_config(
+        build_app(state), options.host, options.port, options.limits, options.shutdown_timeout_s
     )
     try:
         if local_ranks is not None:
             local_ranks.start(fleet.server.ports[0])
         logger.info("serving %s on http://%s:%d", model_name, options.host, options.port)
-        await _Server(config, state).serve()
+        await ApiServer(config, state).serve()
     finally:
         if local_ranks is not None:
             await asyncio.to_thread(local_ranks.stop)

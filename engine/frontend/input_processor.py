@@ -30,8 +30,23 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
 
+    def check_text_length(self, text: str) -> None:
+        """Refuse, before tokenizing it, a text that cannot fit in the context.
+
+        Tokenizing takes about a second per 2 MB: a prompt whose length alone proves it too
+        long is refused at once. The bound has a factor 2 of slack for tokenizers whose
+        normalizer shortens text before splitting it; the exact check follows tokenization.
+        """
+        most_tokens = self.max_model_len - 1
+        if len(text) > 2 * self.tokenizer.max_token_chars * most_tokens:
+            raise ValueError(
+                f"the prompt has {len(text)} characters, far more than the model's maximum "
+                f"context length (max_model_len) of {self.max_model_len} tokens can hold"
+            )
+
     def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
         if isinstance(prompt, str):
+            self.check_text_length(prompt)
             return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
         if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]

@@ -13,6 +13,7 @@ Incremental detokenization for streaming lives in ``corefleet.engine.frontend.de
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -106,6 +107,14 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``. Incomplete UTF-8 sequences decode to U+FFFD."""
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (special tokens included): a text longer
+        than this many times N characters has more than N tokens."""
+        count = self.backend.get_vocab_size(with_added_tokens=True)
+        decode = self.backend.decode
+        return max(len(decode([i], skip_special_tokens=False)) for i in range(count))
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a token spelled as in the vocabulary, or None."""

@@ -9,9 +9,10 @@ Bad input is a 400 with an OpenAI error body naming the field; nothing invalid r
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,7 +23,16 @@ from corefleet.engine.frontend.input_processor import InputProcessor
 from corefleet.engine.frontend.tokenizer import Tokenizer
 from corefleet.engine.messages import ReadyResponse
 from corefleet.engine.openai import protocol as p
+from corefleet.engine.openai.admission import (
+    RETRY_HEADERS,
+    ApiKeys,
+    InFlightLimiter,
+    Ticket,
+    read_body,
+    unauthorized,
+)
 from corefleet.engine.openai.errors import SSE_DONE, RequestError, parse_request, sse_event
+from corefleet.engine.openai.limits import FALLBACK_MAX_N, RequestLimits
 from corefleet.engine.openai.logprobs import chat_logprobs, completion_logprobs
 from corefleet.engine.openai.metrics import ServingMetrics
 from corefleet.engine.openai.serving import ChoiceDelta, Generation
@@ -30,12 +40,20 @@ from corefleet.engine.openai.serving import ChoiceDelta, Generation
 
 @dataclass
 class ServerState:
+    """What the HTTP handlers share: the fleet, the tokenizer, the keys and the limits."""
+
     fleet: FleetClient
     tokenizer: Tokenizer
     model_name: str
-    api_key: str | None
+    api_keys: ApiKeys
     metrics: ServingMetrics
+    limits: RequestLimits = field(default_factory=RequestLimits)
     shutting_down: bool = False
+
+    def __post_init__(self) -> None:
+        self.limiter = InFlightLimiter(
+            self.max_concurrent, self.limits.max_concurrent_requests_per_key
+        )
 
     def engine_info(self) -> ReadyResponse:
         ranks = self.fleet.membership.accepting()
@@ -45,9 +63,24 @@ class ServerState:
             )
         return ranks[0].info
 
+    def max_n(self) -> int:
+        """The most completions one request may ask for now (``--max-n`` or the ranks')."""
+        ranks = self.fleet.membership.accepting()
+        info = ranks[0].info if ranks else None
+        return self.limits.effective_max_n(info.max_num_seqs if info else None)
+
+    def max_concurrent(self) -> int:
+        """The server-wide bound on completions in flight, following the ready ranks."""
+        total = sum(
+            (m.info.max_num_seqs if m.info else 0) or FALLBACK_MAX_N
+            for m in self.fleet.membership.accepting()
+        )
+        return self.limits.effective_max_concurrent(total or FALLBACK_MAX_N)
+
 
 def _error(err: RequestError) -> JSONResponse:
-    return JSONResponse(err.to_response().model_dump(), status_code=err.status)
+    headers = RETRY_HEADERS if err.status in (429, 503) else None
+    return JSONResponse(err.to_response().model_dump(), status_code=err.status, headers=headers)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -59,12 +92,11 @@ def build_app(state: ServerState) -> FastAPI:
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
         path = request.url.path
-        protected = path.startswith("/v1") or path.startswith("/admin")
-        authorized = request.headers.get("authorization") == f"Bearer {state.api_key}"
-        if state.api_key and protected and not authorized:
-            return _error(
-                RequestError("invalid or missing API key", status=401, type="invalid_api_key")
-            )
+        request.state.key_id = None
+        if state.api_keys and (path.startswith("/v1") or path.startswith("/admin")):
+            request.state.key_id = state.api_keys.identify(request.headers.get("authorization"))
+            if request.state.key_id is None:
+                return _error(unauthorized())
         return await call_next(request)
 
     @app.get("/health")
@@ -95,37 +127,57 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         try:
-            body = parse_request(p.CompletionRequest, await request.body())
-            generation = _start(state, body, body.prompt_inputs())
+            body = parse_request(p.CompletionRequest, await _body(state, request))
+            prompts = body.prompt_inputs()
+            ticket = _admit(state, request, body, len(prompts))
         except RequestError as err:
             return _error(err)
+        try:
+            generation = await _start(state, body, prompts)
+        except RequestError as err:
+            ticket.release()
+            return _error(err)
         if body.stream:
-            return _sse(_completion_chunks(state, body, generation))
-        return JSONResponse(await _completion_response(state, body, generation))
+            return _sse(_released(ticket, _completion_chunks(state, body, generation)))
+        try:
+            return JSONResponse(await _completion_response(state, body, generation))
+        finally:
+            ticket.release()
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         try:
-            body = parse_request(p.ChatCompletionRequest, await request.body())
-            text = state.tokenizer.apply_chat_template(
-                body.template_messages(), add_generation_prompt=True
-            )
-            ids = state.tokenizer.encode(text, add_special_tokens=False)
-            generation = _start(state, body, [{"prompt": text, "prompt_token_ids": ids}])
+            body = parse_request(p.ChatCompletionRequest, await _body(state, request))
+            ticket = _admit(state, request, body, 1)
         except RequestError as err:
             return _error(err)
-        except ValueError as exc:  # the chat template refused the conversation
-            return _error(RequestError(str(exc), param="messages"))
+        try:
+            generation = await _start(state, body, [_ChatPrompt(body.template_messages())])
+        except RequestError as err:
+            ticket.release()
+            return _error(err)
         if body.stream:
-            return _sse(_chat_chunks(state, body, generation))
-        return JSONResponse(await _chat_response(state, body, generation))
+            return _sse(_released(ticket, _chat_chunks(state, body, generation)))
+        try:
+            return JSONResponse(await _chat_response(state, body, generation))
+        finally:
+            ticket.release()
 
     return app
 
 
-def _start(
-    state: ServerState, body: p.CompletionRequest | p.ChatCompletionRequest, prompts: list[Any]
-) -> Generation:
+async def _body(state: ServerState, request: Request) -> bytes:
+    limits = state.limits
+    return await read_body(request, limits.max_request_body_bytes, limits.body_timeout_s)
+
+
+def _admit(
+    state: ServerState,
+    request: Request,
+    body: p.CompletionRequest | p.ChatCompletionRequest,
+    num_prompts: int,
+) -> Ticket:
+    """Checks that need no tokenizing, then a place among the requests in flight (or 429)."""
     if body.model is not None and body.model != state.model_name:
         raise RequestError(
             f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
@@ -133,16 +185,66 @@ def _start(
             param="model",
             code="model_not_found",
         )
+    state.engine_info()  # 503 while no rank is ready
+    n = body.n or 1
+    best_of = getattr(body, "best_of", None) or n
+    max_n = state.max_n()
+    if max(n, best_of) * num_prompts > max_n:
+        param = "n" if max(n, best_of) > max_n or num_prompts == 1 else "prompt"
+        raise RequestError(
+            f"{param}: the request asks for {max(n, best_of) * num_prompts} completions "
+            f"({num_prompts} prompt(s) × n={max(n, best_of)}); this server allows at most "
+            f"{max_n} per request (--max-n)",
+            param=param,
+        )
+    return state.limiter.admit(request.state.key_id, n * num_prompts)
+
+
+@dataclass
+class _ChatPrompt:
+    """A conversation, rendered and tokenized off the event loop like a text prompt."""
+
+    messages: list[dict[str, str]]
+
+
+async def _start(
+    state: ServerState,
+    body: p.CompletionRequest | p.ChatCompletionRequest,
+    prompts: list[Any],
+) -> Generation:
+    """Tokenize and validate in a worker thread (a long prompt takes a while to tokenize and
+    must not stall every other request), then start the generation."""
     info = state.engine_info()
     params = p.to_sampling_params(body, info.vocab_size)
     inputs = InputProcessor(state.tokenizer, info.max_model_len, info.vocab_size)
+    request_id = Generation.new_id()
+
+    def build() -> Generation:
+        rendered = [_render(state.tokenizer, inputs, x) for x in prompts]
+        return Generation(state.fleet, state.tokenizer, inputs, rendered, params, request_id)
+
     try:
-        return Generation(
-            state.fleet, state.tokenizer, inputs, prompts, params, Generation.new_id()
-        )
-    except ValueError as exc:
+        return await asyncio.to_thread(build)
+    except ValueError as exc:  # a prompt too long, or a template refusing the conversation
         param = "messages" if isinstance(body, p.ChatCompletionRequest) else "prompt"
         raise RequestError(str(exc), param=param) from None
+
+
+def _render(tokenizer: Tokenizer, inputs: InputProcessor, prompt: Any) -> Any:
+    if not isinstance(prompt, _ChatPrompt):
+        return prompt
+    text = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True)
+    inputs.check_text_length(text)
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
+async def _released(ticket: Ticket, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``events``, giving the ticket back when the stream ends, fails or is abandoned."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        ticket.release()
 
 
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:

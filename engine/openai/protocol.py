@@ -18,14 +18,25 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from corefleet.engine.messages import FinishReason, SamplingParams
+from corefleet.engine.openai import limits
 from corefleet.engine.openai.errors import RequestError, error_from_sampling, unsupported
 
-_REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
+# Floats must be finite: NaN and Infinity are not JSON, and 1e400 overflows to inf.
+_REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+# Every integer a client sends fits the wire's 64 bits (msgpack cannot carry a larger one).
+Int64 = Annotated[int, Field(ge=limits.INT64_MIN, le=limits.INT64_MAX)]
+PositiveInt64 = Annotated[int, Field(ge=1, le=limits.INT64_MAX)]
+NonNegativeInt64 = Annotated[int, Field(ge=0, le=limits.INT64_MAX)]
+StopString = Annotated[str, Field(min_length=1, max_length=limits.MAX_STOP_STRING_CHARS)]
+_StopInput = (
+    StopString | Annotated[list[StopString], Field(max_length=limits.MAX_STOP_STRINGS)] | None
+)
 
 # OpenAI's "extremely unlikely": JSON has no -inf (pydantic writes null, the client refuses it).
 _MIN_LOGPROB = -9999.0
@@ -93,36 +104,46 @@ class _SamplingRequest(BaseModel):
 
     model_config = _REQUEST_CONFIG
     model: str | None = None  # None: the served model (vLLM accepts that too)
-    n: int | None = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    # At most --max-n (n × prompts): checked against the ranks' batch size when served.
+    n: PositiveInt64 | None = 1
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    stop: list[StopString] | None = Field(default=None, max_length=limits.MAX_STOP_STRINGS)
+    seed: NonNegativeInt64 | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # accepted for compatibility; not used
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: Annotated[int, Field(ge=-1, le=limits.INT64_MAX)] | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=2)
     ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    stop_token_ids: list[int] | None = None
+    min_tokens: NonNegativeInt64 | None = None
+    stop_token_ids: list[NonNegativeInt64] | None = Field(
+        default=None, max_length=limits.MAX_STOP_TOKEN_IDS
+    )
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+
+    @field_validator("stop", mode="before", json_schema_input_type=_StopInput)
+    @classmethod
+    def _one_stop_is_a_list(cls, value: Any) -> Any:
+        # One string is a list of one; validating the list alone gives errors without a
+        # union member's name in their path.
+        return [value] if isinstance(value, str) else value
 
 
 class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # explicit null: up to the context length, as vLLM
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    max_tokens: PositiveInt64 | None = 16  # explicit null: up to the context length, as vLLM
+    logprobs: int | None = Field(default=None, ge=0, le=limits.MAX_COMPLETION_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: PositiveInt64 | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -150,11 +171,12 @@ class CompletionRequest(_SamplingRequest):
 class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # deprecated at OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=limits.MAX_MESSAGES)
+    # max_tokens is deprecated at OpenAI in favour of max_completion_tokens.
+    max_tokens: PositiveInt64 | None = None
+    max_completion_tokens: PositiveInt64 | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=limits.MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -213,11 +235,10 @@ def to_sampling_params(
         raise RequestError("stream_options requires stream=true", param="stream_options")
     # Same names on both sides; a null leaves SamplingParams' (vLLM's) default.
     same = {k: getattr(request, k) for k in _SAME_NAME if getattr(request, k) is not None}
-    stop = request.stop
     params = SamplingParams(
         **same,
         max_tokens=max_tokens,
-        stop=[stop] if isinstance(stop, str) else list(stop or []),
+        stop=list(request.stop or []),
         stop_token_ids=list(request.stop_token_ids or []),
         logprobs=logprobs,
     )

@@ -1,0 +1,109 @@
+"""The coordinator's HTTP server: uvicorn, hardened against idle and slow clients.
+
+uvicorn closes a connection idle *between* requests (``timeout_keep_alive``) and answers 503
+beyond ``limit_concurrency`` connections, but it waits forever for the head of a request: a
+client that connects and sends nothing, or sends its headers a byte at a time (slowloris),
+holds a connection for good, and enough of them exhaust the limit. :func:`head_timeout_protocol`
+adds the missing deadline: a connection whose request head is not complete within
+``header_timeout_s`` of its first byte (or of connecting) is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from corefleet.engine.openai.api_server import ServerState
+from corefleet.engine.openai.limits import RequestLimits
+
+
+class _HeadTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on receiving each request head."""
+
+    head_timeout_s = 10.0  # set per server by head_timeout_protocol()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[arg-type]
+        self._arm_head_timer()  # a client that connects and says nothing
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE:  # bytes of a head: it must complete in time
+            self._arm_head_timer()
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # the head is in; the app takes over
+            self._cancel_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+def head_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
+    """An h11 protocol class for uvicorn whose request heads must arrive within
+    ``timeout_s``."""
+    return type("HeadTimeoutProtocol", (_HeadTimeoutProtocol,), {"head_timeout_s": timeout_s})
+
+
+def uvicorn_config(
+    app: Any, host: str, port: int, limits: RequestLimits, shutdown_timeout_s: float
+) -> uvicorn.Config:
+    """uvicorn's configuration for the API: the connection limits of ``limits``."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=head_timeout_protocol(limits.header_timeout_s),
+        limit_concurrency=limits.max_connections,
+        timeout_keep_alive=limits.keep_alive_timeout_s,
+        timeout_graceful_shutdown=int(shutdown_timeout_s),
+        log_level="warning",
+    )
+
+
+class ApiServer(uvicorn.Server):
+    """uvicorn, with readiness dropped the moment a shutdown signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        self.state.shutting_down = True
+        super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would kill
+        # the process before the ranks are stopped (and exit -15); a planned shutdown exits 0.
+        handled = (signal.SIGTERM, signal.SIGINT)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
