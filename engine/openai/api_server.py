@@ -10,7 +10,6 @@ Bad input is a 400 with an OpenAI error body naming the field; nothing invalid r
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,11 +30,16 @@ from corefleet.engine.openai.admission import (
     read_body,
     unauthorized,
 )
-from corefleet.engine.openai.errors import SSE_DONE, RequestError, parse_request, sse_event
+from corefleet.engine.openai.errors import RequestError, parse_request
 from corefleet.engine.openai.limits import FALLBACK_MAX_N, RequestLimits
-from corefleet.engine.openai.logprobs import chat_logprobs, completion_logprobs
 from corefleet.engine.openai.metrics import ServingMetrics
-from corefleet.engine.openai.serving import ChoiceDelta, Generation
+from corefleet.engine.openai.responses import (
+    chat_chunks,
+    chat_response,
+    completion_chunks,
+    completion_response,
+)
+from corefleet.engine.openai.serving import Generation
 
 
 @dataclass
@@ -54,6 +58,7 @@ class ServerState:
         self.limiter = InFlightLimiter(
             self.max_concurrent, self.limits.max_concurrent_requests_per_key
         )
+        self.metrics.watch_admission(self.limiter)
 
     def engine_info(self) -> ReadyResponse:
         ranks = self.fleet.membership.accepting()
@@ -128,42 +133,49 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(request: Request) -> Response:
         try:
             body = parse_request(p.CompletionRequest, await _body(state, request))
-            prompts = body.prompt_inputs()
-            ticket = _admit(state, request, body, len(prompts))
         except RequestError as err:
             return _error(err)
-        try:
-            generation = await _start(state, body, prompts)
-        except RequestError as err:
-            ticket.release()
-            return _error(err)
-        if body.stream:
-            return _sse(_released(ticket, _completion_chunks(state, body, generation)))
-        try:
-            return JSONResponse(await _completion_response(state, body, generation))
-        finally:
-            ticket.release()
+        return await _generate(state, request, body, body.prompt_inputs())
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         try:
             body = parse_request(p.ChatCompletionRequest, await _body(state, request))
-            ticket = _admit(state, request, body, 1)
         except RequestError as err:
             return _error(err)
-        try:
-            generation = await _start(state, body, [_ChatPrompt(body.template_messages())])
-        except RequestError as err:
-            ticket.release()
-            return _error(err)
-        if body.stream:
-            return _sse(_released(ticket, _chat_chunks(state, body, generation)))
-        try:
-            return JSONResponse(await _chat_response(state, body, generation))
-        finally:
-            ticket.release()
+        return await _generate(state, request, body, [_ChatPrompt(body.template_messages())])
 
     return app
+
+
+async def _generate(
+    state: ServerState,
+    request: Request,
+    body: p.CompletionRequest | p.ChatCompletionRequest,
+    prompts: list[Any],
+) -> Response:
+    """Admit, start and answer one generation request. Its place among the requests in flight
+    is held until the answer is complete, the stream ends or the client goes away."""
+    try:
+        ticket = _admit(state, request, body, len(prompts))
+    except RequestError as err:
+        return _error(err)
+    try:
+        generation = await _start(state, body, prompts)
+    except RequestError as err:
+        ticket.release()
+        return _error(err)
+    name, metrics = state.model_name, state.metrics
+    if body.stream:
+        if isinstance(body, p.CompletionRequest):
+            return _sse(_released(ticket, completion_chunks(name, metrics, body, generation)))
+        return _sse(_released(ticket, chat_chunks(name, metrics, body, generation)))
+    try:
+        if isinstance(body, p.CompletionRequest):
+            return JSONResponse(await completion_response(name, metrics, body, generation))
+        return JSONResponse(await chat_response(name, metrics, body, generation))
+    finally:
+        ticket.release()
 
 
 async def _body(state: ServerState, request: Request) -> bytes:
@@ -186,18 +198,29 @@ def _admit(
             code="model_not_found",
         )
     state.engine_info()  # 503 while no rank is ready
-    n = body.n or 1
-    best_of = getattr(body, "best_of", None) or n
-    max_n = state.max_n()
-    if max(n, best_of) * num_prompts > max_n:
-        param = "n" if max(n, best_of) > max_n or num_prompts == 1 else "prompt"
+    _check_choices(body, num_prompts, state.max_n())
+    return state.limiter.admit(request.state.key_id, (body.n or 1) * num_prompts)
+
+
+def _check_choices(
+    body: p.CompletionRequest | p.ChatCompletionRequest, num_prompts: int, max_n: int
+) -> None:
+    """400 unless ``n``, ``best_of`` and n × prompts are all within ``max_n``."""
+    best_of = getattr(body, "best_of", None)
+    for param, value in (("n", body.n or 1), ("best_of", best_of or 1)):
+        if value > max_n:
+            raise RequestError(
+                f"{param}={value}: this server allows at most {max_n} completions per request "
+                "(--max-n)",
+                param=param,
+            )
+    if (body.n or 1) * num_prompts > max_n:
         raise RequestError(
-            f"{param}: the request asks for {max(n, best_of) * num_prompts} completions "
-            f"({num_prompts} prompt(s) × n={max(n, best_of)}); this server allows at most "
-            f"{max_n} per request (--max-n)",
-            param=param,
+            f"the request asks for {(body.n or 1) * num_prompts} completions ({num_prompts} "
+            f"prompts × n={body.n or 1}); this server allows at most {max_n} per request "
+            "(--max-n)",
+            param="prompt",
         )
-    return state.limiter.admit(request.state.key_id, n * num_prompts)
 
 
 @dataclass
@@ -226,8 +249,15 @@ async def _start(
     try:
         return await asyncio.to_thread(build)
     except ValueError as exc:  # a prompt too long, or a template refusing the conversation
-        param = "messages" if isinstance(body, p.ChatCompletionRequest) else "prompt"
-        raise RequestError(str(exc), param=param) from None
+        raise RequestError(str(exc), param=_blamed_field(body, str(exc))) from None
+
+
+def _blamed_field(body: p.CompletionRequest | p.ChatCompletionRequest, message: str) -> str:
+    """The request field a prompt-processing error is about, as the client named it."""
+    if message.startswith("max_tokens="):  # the output budget does not fit the context
+        chat_budget = getattr(body, "max_completion_tokens", None)
+        return "max_tokens" if chat_budget is None else "max_completion_tokens"
+    return "messages" if isinstance(body, p.ChatCompletionRequest) else "prompt"
 
 
 def _render(tokenizer: Tokenizer, inputs: InputProcessor, prompt: Any) -> Any:
@@ -249,133 +279,6 @@ async def _released(ticket: Ticket, events: AsyncIterator[str]) -> AsyncIterator
 
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream")
-
-
-async def _timed(state: ServerState, generation: Generation) -> AsyncIterator[ChoiceDelta]:
-    """The generation's deltas, recording latency and token metrics on the way."""
-    started = last = time.monotonic()
-    first = True
-    state.metrics.prompt_tokens.inc(generation.num_prompt_tokens)
-    async for delta in generation.deltas():
-        now = time.monotonic()
-        if delta.token_ids:
-            (state.metrics.ttft if first else state.metrics.itl).observe(now - last)
-            first, last = False, now
-            state.metrics.generation_tokens.inc(len(delta.token_ids))
-        yield delta
-    state.metrics.e2e.observe(time.monotonic() - started)
-
-
-def _usage(generation: Generation, completion_tokens: int) -> p.UsageInfo:
-    return p.UsageInfo(
-        prompt_tokens=generation.num_prompt_tokens, completion_tokens=completion_tokens
-    )
-
-
-async def _completion_response(
-    state: ServerState, body: p.CompletionRequest, generation: Generation
-) -> dict[str, Any]:
-    choices: dict[int, p.CompletionChoice] = {}
-    tokens = 0
-    top_k = generation.params.logprobs
-    async for d in _timed(state, generation):
-        choice = choices.setdefault(d.index, p.CompletionChoice(index=d.index, text=""))
-        if top_k is not None:
-            more = completion_logprobs(d.token_ids, d.logprobs, top_k, len(choice.text))
-            choice.logprobs = _extend_completion(choice.logprobs, more)
-        choice.text += d.text
-        tokens += len(d.token_ids)
-        if d.finish_reason is not None:
-            choice.text = d.full_text if d.full_text is not None else choice.text
-            choice.finish_reason = p.openai_finish_reason(d.finish_reason)
-            choice.stop_reason = d.stop_reason
-    response = p.CompletionResponse(
-        model=state.model_name,
-        choices=[choices[i] for i in sorted(choices)],
-        usage=_usage(generation, tokens),
-    )
-    return response.model_dump()
-
-
-async def _completion_chunks(
-    state: ServerState, body: p.CompletionRequest, generation: Generation
-) -> AsyncIterator[str]:
-    template = p.CompletionStreamResponse(model=state.model_name, choices=[])
-    tokens = 0
-    top_k = generation.params.logprobs
-    offsets: dict[int, int] = {}
-    async for d in _timed(state, generation):
-        tokens += len(d.token_ids)
-        choice = p.CompletionChoice(
-            index=d.index, text=d.text, finish_reason=p.openai_finish_reason(d.finish_reason)
-        )
-        if top_k is not None:
-            offset = offsets.get(d.index, 0)
-            choice.logprobs = completion_logprobs(d.token_ids, d.logprobs, top_k, offset)
-        offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
-        yield sse_event(template.model_copy(update={"choices": [choice]}))
-    if body.stream_options and body.stream_options.include_usage:
-        yield sse_event(template.model_copy(update={"usage": _usage(generation, tokens)}))
-    yield SSE_DONE
-
-
-async def _chat_response(
-    state: ServerState, body: p.ChatCompletionRequest, generation: Generation
-) -> dict[str, Any]:
-    texts: dict[int, str] = {}
-    ends: dict[int, tuple[str | None, int | str | None]] = {}
-    logprobs: dict[int, p.ChatLogprobs] = {}
-    tokens = 0
-    top_k = generation.params.logprobs
-    async for d in _timed(state, generation):
-        if top_k is not None:
-            content = chat_logprobs(d.token_ids, d.logprobs, top_k).content or []
-            entry = logprobs.setdefault(d.index, p.ChatLogprobs(content=[]))
-            if entry.content is None:
-                entry.content = []
-            entry.content.extend(content)
-        texts[d.index] = texts.get(d.index, "") + d.text
-        tokens += len(d.token_ids)
-        if d.finish_reason is not None:
-            texts[d.index] = d.full_text if d.full_text is not None else texts[d.index]
-            ends[d.index] = (p.openai_finish_reason(d.finish_reason), d.stop_reason)
-    choices = [
-        p.ChatChoice(
-            index=i,
-            message=p.ChatResponseMessage(content=texts[i]),
-            logprobs=logprobs.get(i),
-            finish_reason=ends.get(i, (None, None))[0],
-            stop_reason=ends.get(i, (None, None))[1],
-        )
-        for i in sorted(texts)
-    ]
-    response = p.ChatCompletionResponse(
-        model=state.model_name, choices=choices, usage=_usage(generation, tokens)
-    )
-    return response.model_dump()
-
-
-async def _chat_chunks(
-    state: ServerState, body: p.ChatCompletionRequest, generation: Generation
-) -> AsyncIterator[str]:
-    template = p.ChatCompletionChunk(model=state.model_name, choices=[])
-    started: set[int] = set()
-    tokens = 0
-    async for d in _timed(state, generation):
-        tokens += len(d.token_ids)
-        delta = p.DeltaMessage(content=d.text)
-        if d.index not in started:  # the role comes once, in a choice's first chunk
-            started.add(d.index)
-            delta.role = "assistant"
-        choice = p.ChatChunkChoice(
-            index=d.index, delta=delta, finish_reason=p.openai_finish_reason(d.finish_reason)
-        )
-        if generation.params.logprobs is not None:
-            choice.logprobs = chat_logprobs(d.token_ids, d.logprobs, generation.params.logprobs)
-        yield sse_event(template.model_copy(update={"choices": [choice]}))
-    if body.stream_options and body.stream_options.include_usage:
-        yield sse_event(template.model_copy(update={"usage": _usage(generation, tokens)}))
-    yield SSE_DONE
 
 
 def _rank_json(member: Any) -> dict[str, Any]:
@@ -400,15 +303,3 @@ def _rank_json(member: Any) -> dict[str, Any]:
         },
         "dead_reason": member.dead_reason or None,
     }
-
-
-def _extend_completion(
-    so_far: p.CompletionLogprobs | None, more: p.CompletionLogprobs
-) -> p.CompletionLogprobs:
-    if so_far is None:
-        return more
-    so_far.tokens += more.tokens
-    so_far.token_logprobs += more.token_logprobs
-    so_far.top_logprobs += more.top_logprobs
-    so_far.text_offset += more.text_offset
-    return so_far

@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 
 from corefleet.engine.coordinator.fleet_client import FleetClient
 from corefleet.engine.coordinator.membership import RankState
+from corefleet.engine.openai.admission import InFlightLimiter
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -69,6 +70,24 @@ class _FleetCollector(Collector):
             yield family
 
 
+class _AdmissionCollector(Collector):
+    def __init__(self, limiter: InFlightLimiter) -> None:
+        self.limiter = limiter
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        in_flight = GaugeMetricFamily(
+            "corefleet_api_completions_in_flight",
+            "Completions admitted by the API and not finished (a request counts n × prompts)",
+        )
+        in_flight.add_metric([], self.limiter.in_flight)
+        yield in_flight
+        refused = CounterMetricFamily(
+            "corefleet_api_requests_refused", "Requests refused with 429 (over a limit in flight)"
+        )
+        refused.add_metric([], self.limiter.refused)
+        yield refused
+
+
 class ServingMetrics:
     """The registry behind ``/metrics`` and the handles the handlers record into."""
 
@@ -95,6 +114,10 @@ class ServingMetrics:
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Tokens generated", labels, registry=self.registry
         ).labels(model_name)
+
+    def watch_admission(self, limiter: InFlightLimiter) -> None:
+        """Export ``limiter``'s completions in flight and its refusals."""
+        self.registry.register(_AdmissionCollector(limiter))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,156 @@
+"""OpenAI responses from a generation's deltas: one final object, or a stream of chunks.
+
+Each function folds :class:`Generation` deltas into the shape its endpoint returns (completions
+or chat; whole or streamed as server-sent events) and records latency and token metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from corefleet.engine.openai import protocol as p
+from corefleet.engine.openai.errors import SSE_DONE, sse_event
+from corefleet.engine.openai.logprobs import chat_logprobs, completion_logprobs
+from corefleet.engine.openai.metrics import ServingMetrics
+from corefleet.engine.openai.serving import ChoiceDelta, Generation
+
+
+async def _timed(metrics: ServingMetrics, generation: Generation) -> AsyncIterator[ChoiceDelta]:
+    """The generation's deltas, recording latency and token metrics on the way."""
+    started = last = time.monotonic()
+    first = True
+    metrics.prompt_tokens.inc(generation.num_prompt_tokens)
+    async for delta in generation.deltas():
+        now = time.monotonic()
+        if delta.token_ids:
+            (metrics.ttft if first else metrics.itl).observe(now - last)
+            first, last = False, now
+            metrics.generation_tokens.inc(len(delta.token_ids))
+        yield delta
+    metrics.e2e.observe(time.monotonic() - started)
+
+
+def _usage(generation: Generation, completion_tokens: int) -> p.UsageInfo:
+    return p.UsageInfo(
+        prompt_tokens=generation.num_prompt_tokens, completion_tokens=completion_tokens
+    )
+
+
+async def completion_response(
+    model_name: str, metrics: ServingMetrics, body: p.CompletionRequest, generation: Generation
+) -> dict[str, Any]:
+    choices: dict[int, p.CompletionChoice] = {}
+    tokens = 0
+    top_k = generation.params.logprobs
+    async for d in _timed(metrics, generation):
+        choice = choices.setdefault(d.index, p.CompletionChoice(index=d.index, text=""))
+        if top_k is not None:
+            more = completion_logprobs(d.token_ids, d.logprobs, top_k, len(choice.text))
+            choice.logprobs = _extend_completion(choice.logprobs, more)
+        choice.text += d.text
+        tokens += len(d.token_ids)
+        if d.finish_reason is not None:
+            choice.text = d.full_text if d.full_text is not None else choice.text
+            choice.finish_reason = p.openai_finish_reason(d.finish_reason)
+            choice.stop_reason = d.stop_reason
+    response = p.CompletionResponse(
+        model=model_name,
+        choices=[choices[i] for i in sorted(choices)],
+        usage=_usage(generation, tokens),
+    )
+    return response.model_dump()
+
+
+async def completion_chunks(
+    model_name: str, metrics: ServingMetrics, body: p.CompletionRequest, generation: Generation
+) -> AsyncIterator[str]:
+    template = p.CompletionStreamResponse(model=model_name, choices=[])
+    tokens = 0
+    top_k = generation.params.logprobs
+    offsets: dict[int, int] = {}
+    async for d in _timed(metrics, generation):
+        tokens += len(d.token_ids)
+        choice = p.CompletionChoice(
+            index=d.index, text=d.text, finish_reason=p.openai_finish_reason(d.finish_reason)
+        )
+        if top_k is not None:
+            offset = offsets.get(d.index, 0)
+            choice.logprobs = completion_logprobs(d.token_ids, d.logprobs, top_k, offset)
+        offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
+        yield sse_event(template.model_copy(update={"choices": [choice]}))
+    if body.stream_options and body.stream_options.include_usage:
+        yield sse_event(template.model_copy(update={"usage": _usage(generation, tokens)}))
+    yield SSE_DONE
+
+
+async def chat_response(
+    model_name: str, metrics: ServingMetrics, body: p.ChatCompletionRequest, generation: Generation
+) -> dict[str, Any]:
+    texts: dict[int, str] = {}
+    ends: dict[int, tuple[str | None, int | str | None]] = {}
+    logprobs: dict[int, p.ChatLogprobs] = {}
+    tokens = 0
+    top_k = generation.params.logprobs
+    async for d in _timed(metrics, generation):
+        if top_k is not None:
+            content = chat_logprobs(d.token_ids, d.logprobs, top_k).content or []
+            entry = logprobs.setdefault(d.index, p.ChatLogprobs(content=[]))
+            if entry.content is None:
+                entry.content = []
+            entry.content.extend(content)
+        texts[d.index] = texts.get(d.index, "") + d.text
+        tokens += len(d.token_ids)
+        if d.finish_reason is not None:
+            texts[d.index] = d.full_text if d.full_text is not None else texts[d.index]
+            ends[d.index] = (p.openai_finish_reason(d.finish_reason), d.stop_reason)
+    choices = [
+        p.ChatChoice(
+            index=i,
+            message=p.ChatResponseMessage(content=texts[i]),
+            logprobs=logprobs.get(i),
+            finish_reason=ends.get(i, (None, None))[0],
+            stop_reason=ends.get(i, (None, None))[1],
+        )
+        for i in sorted(texts)
+    ]
+    response = p.ChatCompletionResponse(
+        model=model_name, choices=choices, usage=_usage(generation, tokens)
+    )
+    return response.model_dump()
+
+
+async def chat_chunks(
+    model_name: str, metrics: ServingMetrics, body: p.ChatCompletionRequest, generation: Generation
+) -> AsyncIterator[str]:
+    template = p.ChatCompletionChunk(model=model_name, choices=[])
+    started: set[int] = set()
+    tokens = 0
+    async for d in _timed(metrics, generation):
+        tokens += len(d.token_ids)
+        delta = p.DeltaMessage(content=d.text)
+        if d.index not in started:  # the role comes once, in a choice's first chunk
+            started.add(d.index)
+            delta.role = "assistant"
+        choice = p.ChatChunkChoice(
+            index=d.index, delta=delta, finish_reason=p.openai_finish_reason(d.finish_reason)
+        )
+        if generation.params.logprobs is not None:
+            choice.logprobs = chat_logprobs(d.token_ids, d.logprobs, generation.params.logprobs)
+        yield sse_event(template.model_copy(update={"choices": [choice]}))
+    if body.stream_options and body.stream_options.include_usage:
+        yield sse_event(template.model_copy(update={"usage": _usage(generation, tokens)}))
+    yield SSE_DONE
+
+
+def _extend_completion(
+    so_far: p.CompletionLogprobs | None, more: p.CompletionLogprobs
+) -> p.CompletionLogprobs:
+    if so_far is None:
+        return more
+    so_far.tokens += more.tokens
+    so_far.token_logprobs += more.token_logprobs
+    so_far.top_logprobs += more.top_logprobs
+    so_far.text_offset += more.text_offset
+    return so_far

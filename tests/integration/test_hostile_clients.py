@@ -1,0 +1,245 @@
+"""Hostile and broken clients against a real ``corefleet serve``: every size a client controls,
+at absurd values, gets a 4xx and costs no memory; load beyond the limits gets 429; idle,
+slow and lying connections are cut off without starving real requests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from tests.fixtures_models import write_tiny_llama
+from tests.serve_support import running_serve
+
+pytestmark = pytest.mark.slow
+
+KEYS = ("key-a", "key-b")
+BODY_LIMIT = 1 << 20
+FLAGS = (
+    *("--dtype", "float32", "--kv-cache-memory", str(8 << 20), "--block-size", "4"),
+    *("--max-num-seqs", "8", "--api-key", KEYS[0], "--api-key", KEYS[1]),
+    *("--max-concurrent-requests-per-key", "1", "--max-request-body-bytes", str(BODY_LIMIT)),
+    *("--header-timeout", "2", "--body-timeout", "2"),
+)
+HUGE = 2**70
+WAIT_S = 60.0  # a generous bound on every wait: the CI machine may be loaded
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    model = write_tiny_llama(tmp_path_factory.mktemp("tiny") / "m")
+    with running_serve("--model", str(model), *FLAGS) as base:
+        yield base
+
+
+def post(base: str, path: str, body: Any, key: str = KEYS[0], **kw: Any) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    return httpx.post(f"{base}{path}", content=content, headers=headers, timeout=WAIT_S, **kw)
+
+
+def coordinator(base: str) -> psutil.Process:
+    """The ``corefleet serve`` process listening on ``base``'s port."""
+    port = base.rsplit(":", 1)[1]
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "serve" in cmdline and port in cmdline:
+            return proc
+    raise AssertionError(f"no corefleet serve process on port {port}")
+
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+# (path, body, status, param): one or more absurd values of every field a client controls.
+ABSURD: list[tuple[str, Any, int, str | None]] = [
+    (C, {"prompt": "Hi", "max_tokens": 4, "n": 2**31}, 400, "n"),
+    (C, {"prompt": "Hi", "n": HUGE}, 400, "n"),
+    (C, {"prompt": "Hi", "n": 2**31, "best_of": 2**31}, 400, "n"),
+    (C, {"prompt": "Hi", "best_of": 2**31}, 400, "best_of"),
+    (C, {"prompt": "Hi", "logprobs": 10**9}, 400, "logprobs"),
+    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 10**9}, 400, "top_logprobs"),
+    (C, {"prompt": "Hi", "stop": ["x"] * 100_000}, 400, "stop"),
+    (C, {"prompt": "Hi", "stop": "x" * 500_000}, 400, "stop"),
+    (C, {"prompt": "Hi", "stop_token_ids": [1] * 100_000}, 400, "stop_token_ids"),
+    (C, {"prompt": "Hi", "stop_token_ids": [HUGE]}, 400, "stop_token_ids"),
+    (C, {"prompt": list(range(1, 100_001))}, 400, "prompt"),
+    (C, {"prompt": ["Hi"] * 10_000}, 400, "prompt"),
+    (C, {"prompt": [[1, 2]] * 10_000}, 400, "prompt"),
+    (C, {"prompt": "word " * 150_000}, 400, "prompt"),
+    (C, {"prompt": [HUGE]}, 400, "prompt"),
+    (C, {"prompt": "Hi", "seed": 2**64}, 400, "seed"),
+    (C, {"prompt": "Hi", "seed": -1}, 400, "seed"),
+    (C, {"prompt": "Hi", "max_tokens": HUGE}, 400, "max_tokens"),
+    (C, {"prompt": "Hi", "max_tokens": 2**40}, 400, "max_tokens"),
+    (C, {"prompt": "Hi", "max_tokens": None, "min_tokens": HUGE}, 400, "min_tokens"),
+    (C, {"prompt": "Hi", "top_k": HUGE}, 400, "top_k"),
+    (C, {"prompt": "Hi", "temperature": 1e308 * 10}, 400, "temperature"),
+    (C, {"prompt": "Hi", "model": "m" * 500_000}, 404, "model"),
+    (C, {"prompt": "Hi", "logit_bias": {str(i): 1.0 for i in range(20_000)}}, 400, "logit_bias"),
+    (CHAT, {"messages": MSG * 5000}, 400, "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": "word " * 150_000}]}, 400, "messages"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function"}] * 10_000}, 400, "tools"),
+    (CHAT, {"messages": MSG, "n": 2**31}, 400, "n"),
+    (CHAT, {"messages": MSG, "max_completion_tokens": HUGE}, 400, "max_completion_tokens"),
+    (C, {"prompt": "x" * (2 * BODY_LIMIT)}, 413, None),
+    (CHAT, {"messages": [{"role": "user", "content": "x" * (2 * BODY_LIMIT)}]}, 413, None),
+]
+
+
+def _send_absurd(base: str) -> None:
+    for path, body, status, param in ABSURD:
+        response = post(base, path, body)
+        summary = f"{path} {json.dumps(body)[:80]}"
+        assert response.status_code == status, f"{summary}: {response.text[:300]}"
+        error = response.json()["error"]
+        assert error["param"] == param, f"{summary}: {error}"
+
+
+def test_every_absurd_size_gets_a_4xx_and_costs_no_memory(server: str) -> None:
+    proc = coordinator(server)
+    assert post(server, C, {"prompt": "Hi", "max_tokens": 2}).status_code == 200
+    _send_absurd(server)  # warm-up: the allocator settles
+    settled = proc.memory_info().rss
+    for _ in range(3):
+        _send_absurd(server)
+    growth = proc.memory_info().rss - settled
+    # Unbounded, n=2^31 alone grew the coordinator by gigabytes a second.
+    assert growth < 64 << 20, f"the coordinator grew by {growth >> 20} MiB"
+    assert post(server, C, {"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_a_huge_content_length_is_refused_unread(server: str) -> None:
+    with contextlib.closing(_connect(server)) as sock:
+        sock.sendall(_head(10**12) + b"{}")
+        assert _reply_head(sock).startswith(b"HTTP/1.1 413")
+
+
+def _rank_pid(server: str) -> int:
+    ranks = httpx.get(
+        f"{server}/admin/engines", headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=WAIT_S
+    ).json()
+    return int(ranks[0]["pid"])
+
+
+@contextlib.contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    """The rank frozen (SIGSTOP): what it was sent stays in flight until it resumes."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _in_background(fn: Any) -> tuple[threading.Thread, list[Any]]:
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def _wait_until_in_flight(server: str, count: int) -> None:
+    deadline = time.monotonic() + WAIT_S
+    metrics = ""
+    while time.monotonic() < deadline:
+        metrics = httpx.get(f"{server}/metrics", timeout=WAIT_S).text
+        if f"corefleet_api_completions_in_flight {count}.0" in metrics:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"never {count} request(s) in flight:\n{metrics[-2000:]}")
+
+
+def test_a_key_over_its_limit_gets_429_and_other_keys_still_run(server: str) -> None:
+    body = {"prompt": "Hi", "max_tokens": 2}
+    with stopped(_rank_pid(server)):
+        first, first_result = _in_background(lambda: post(server, C, body, key=KEYS[0]))
+        _wait_until_in_flight(server, 1)
+        refused = post(server, C, body, key=KEYS[0])
+        other, other_result = _in_background(lambda: post(server, C, body, key=KEYS[1]))
+        _wait_until_in_flight(server, 2)
+    first.join(WAIT_S)
+    other.join(WAIT_S)
+    assert refused.status_code == 429, refused.text
+    assert refused.headers["Retry-After"] == "1"
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert first_result[0].status_code == 200 and other_result[0].status_code == 200
+    assert post(server, C, body, key=KEYS[0]).status_code == 200  # the slot came back
+
+
+def _connect(server: str) -> socket.socket:
+    host, port = server.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=WAIT_S)
+    return sock
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server closed ``sock`` (waits up to the socket's timeout for it)."""
+    try:
+        return sock.recv(65536) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_idle_and_slowloris_connections_are_cut_and_starve_nobody(server: str) -> None:
+    idle = [_connect(server) for _ in range(500)]
+    slow = _connect(server)
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    try:
+        stop = threading.Event()
+
+        def dribble() -> None:  # a header byte at a time, never finishing the head
+            with contextlib.suppress(OSError):
+                while not stop.wait(0.3):
+                    slow.sendall(b"X")
+
+        dribbler = threading.Thread(target=dribble, daemon=True)
+        dribbler.start()
+        response = post(server, C, {"prompt": "Hi", "max_tokens": 2})
+        assert response.status_code == 200, response.text
+        # The server closes each of them (--header-timeout 2): recv sees the end of stream.
+        for sock in [*idle, slow]:
+            assert _closed_by_server(sock)
+        stop.set()
+        dribbler.join(WAIT_S)
+    finally:
+        for sock in [*idle, slow]:
+            sock.close()
+
+
+def _head(content_length: int) -> bytes:
+    return (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {KEYS[0]}\r\nContent-Length: {content_length}\r\n\r\n"
+    ).encode()
+
+
+def _reply_head(sock: socket.socket) -> bytes:
+    reply = b""
+    while b"\r\n\r\n" not in reply:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed without an answer: {reply!r}"
+        reply += chunk
+    return reply
+
+
+def test_a_body_that_never_completes_gets_408(server: str) -> None:
+    with contextlib.closing(_connect(server)) as sock:
+        sock.sendall(_head(100) + b'{"prompt": ')
+        assert _reply_head(sock).startswith(b"HTTP/1.1 408")
+
+
+def test_the_server_answers_after_all_of_it(server: str) -> None:
+    response = post(server, CHAT, {"messages": MSG, "max_tokens": 3})
+    assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"]
