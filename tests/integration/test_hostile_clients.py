@@ -19,19 +19,18 @@ import psutil
 import pytest
 
 from tests.fixtures_models import write_tiny_llama
+from tests.hostile_requests import ABSURD, BODY_LIMIT, CHAT, MSG, C
 from tests.serve_support import running_serve
 
 pytestmark = pytest.mark.slow
 
 KEYS = ("key-a", "key-b")
-BODY_LIMIT = 1 << 20
 FLAGS = (
     *("--dtype", "float32", "--kv-cache-memory", str(8 << 20), "--block-size", "4"),
     *("--max-num-seqs", "8", "--api-key", KEYS[0], "--api-key", KEYS[1]),
     *("--max-concurrent-requests-per-key", "1", "--max-request-body-bytes", str(BODY_LIMIT)),
     *("--header-timeout", "2", "--body-timeout", "2"),
 )
-HUGE = 2**70
 WAIT_S = 60.0  # a generous bound on every wait: the CI machine may be loaded
 
 
@@ -56,44 +55,6 @@ def coordinator(base: str) -> psutil.Process:
         if "serve" in cmdline and port in cmdline:
             return proc
     raise AssertionError(f"no corefleet serve process on port {port}")
-
-
-C, CHAT = "/v1/completions", "/v1/chat/completions"
-MSG = [{"role": "user", "content": "hi"}]
-# (path, body, status, param): one or more absurd values of every field a client controls.
-ABSURD: list[tuple[str, Any, int, str | None]] = [
-    (C, {"prompt": "Hi", "max_tokens": 4, "n": 2**31}, 400, "n"),
-    (C, {"prompt": "Hi", "n": HUGE}, 400, "n"),
-    (C, {"prompt": "Hi", "n": 2**31, "best_of": 2**31}, 400, "n"),
-    (C, {"prompt": "Hi", "best_of": 2**31}, 400, "best_of"),
-    (C, {"prompt": "Hi", "logprobs": 10**9}, 400, "logprobs"),
-    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 10**9}, 400, "top_logprobs"),
-    (C, {"prompt": "Hi", "stop": ["x"] * 100_000}, 400, "stop"),
-    (C, {"prompt": "Hi", "stop": "x" * 500_000}, 400, "stop"),
-    (C, {"prompt": "Hi", "stop_token_ids": [1] * 100_000}, 400, "stop_token_ids"),
-    (C, {"prompt": "Hi", "stop_token_ids": [HUGE]}, 400, "stop_token_ids"),
-    (C, {"prompt": list(range(1, 100_001))}, 400, "prompt"),
-    (C, {"prompt": ["Hi"] * 10_000}, 400, "prompt"),
-    (C, {"prompt": [[1, 2]] * 10_000}, 400, "prompt"),
-    (C, {"prompt": "word " * 150_000}, 400, "prompt"),
-    (C, {"prompt": [HUGE]}, 400, "prompt"),
-    (C, {"prompt": "Hi", "seed": 2**64}, 400, "seed"),
-    (C, {"prompt": "Hi", "seed": -1}, 400, "seed"),
-    (C, {"prompt": "Hi", "max_tokens": HUGE}, 400, "max_tokens"),
-    (C, {"prompt": "Hi", "max_tokens": 2**40}, 400, "max_tokens"),
-    (C, {"prompt": "Hi", "max_tokens": None, "min_tokens": HUGE}, 400, "min_tokens"),
-    (C, {"prompt": "Hi", "top_k": HUGE}, 400, "top_k"),
-    (C, {"prompt": "Hi", "temperature": 1e308 * 10}, 400, "temperature"),
-    (C, {"prompt": "Hi", "model": "m" * 500_000}, 404, "model"),
-    (C, {"prompt": "Hi", "logit_bias": {str(i): 1.0 for i in range(20_000)}}, 400, "logit_bias"),
-    (CHAT, {"messages": MSG * 5000}, 400, "messages"),
-    (CHAT, {"messages": [{"role": "user", "content": "word " * 150_000}]}, 400, "messages"),
-    (CHAT, {"messages": MSG, "tools": [{"type": "function"}] * 10_000}, 400, "tools"),
-    (CHAT, {"messages": MSG, "n": 2**31}, 400, "n"),
-    (CHAT, {"messages": MSG, "max_completion_tokens": HUGE}, 400, "max_completion_tokens"),
-    (C, {"prompt": "x" * (2 * BODY_LIMIT)}, 413, None),
-    (CHAT, {"messages": [{"role": "user", "content": "x" * (2 * BODY_LIMIT)}]}, 413, None),
-]
 
 
 def _send_absurd(base: str) -> None:
