@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import resource
 import signal
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +24,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from corefleet.engine.openai.api_server import ServerState
 from corefleet.engine.openai.limits import RequestLimits
+
+logger = logging.getLogger(__name__)
+
+# Files and sockets the process needs besides client connections: the model and tokenizer,
+# ZMQ's sockets and pipes (a few per rank), logs.
+_FD_RESERVE = 256
 
 
 class _HeadTimeoutProtocol(H11Protocol):
@@ -69,6 +77,30 @@ def head_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
     return type("HeadTimeoutProtocol", (_HeadTimeoutProtocol,), {"head_timeout_s": timeout_s})
 
 
+def connection_budget(wanted: int) -> int:
+    """How many connections this process can hold: ``wanted``, after raising the soft limit
+    on open files towards the hard one, less a reserve for the process's own files and
+    sockets. Beyond the file limit, accept() fails and uvicorn logs errors instead of
+    answering 503."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted + _FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < target:
+        raised = target if hard == resource.RLIM_INFINITY else min(target, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return wanted
+    budget = max(1, soft - _FD_RESERVE)
+    logger.warning(
+        "only %d open files allowed (ulimit -n): serving at most %d connections, not %d",
+        soft,
+        budget,
+        wanted,
+    )
+    return budget
+
+
 def uvicorn_config(
     app: Any, host: str, port: int, limits: RequestLimits, shutdown_timeout_s: float
 ) -> uvicorn.Config:
@@ -78,7 +110,7 @@ def uvicorn_config(
         host=host,
         port=port,
         http=head_timeout_protocol(limits.header_timeout_s),
-        limit_concurrency=limits.max_connections,
+        limit_concurrency=connection_budget(limits.max_connections),
         timeout_keep_alive=limits.keep_alive_timeout_s,
         timeout_graceful_shutdown=int(shutdown_timeout_s),
         log_level="warning",
