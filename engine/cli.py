@@ -187,6 +187,13 @@ def _engine_core_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="abort and exit when this process stops being the parent (local clients use it)",
     )
+    core.add_argument(
+        "--parent-fd",
+        type=int,
+        default=None,
+        help="read end of a pipe the parent holds open: abort and exit at its end of file, "
+        "i.e. at once when the parent dies (local clients pass it)",
+    )
     add_engine_args(core)
 
 
@@ -267,7 +274,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _engine_core(args: argparse.Namespace) -> int:
     from corefleet.engine.engine_args import engine_config_from_args
     from corefleet.engine.engine_core.entry import run_engine_core
-    from corefleet.engine.engine_core.proc import EngineProcConfig
+    from corefleet.engine.engine_core.proc_config import EngineProcConfig
     from corefleet.engine.transport.sockets import handshake_address, load_curve_keys
 
     proc_config = EngineProcConfig(
@@ -278,6 +285,7 @@ def _engine_core(args: argparse.Namespace) -> int:
         curve=load_curve_keys("client", args.curve_keys_dir),
         pod_name=envs.pod_name(),
         parent_pid=args.parent_pid,
+        parent_fd=args.parent_fd,
         health_host=args.health_host,
         health_port=args.health_port,
     )

@@ -2,7 +2,9 @@
 
 The client binds the three sockets (handshake ROUTER, input ROUTER, output PULL) on loopback,
 then runs ``corefleet engine-core --coordinator <handshake address>`` as a child — the very
-command a rank pod runs in the cluster — and serves its handshake.
+command a rank pod runs in the cluster — and serves its handshake. The child also gets the read
+end of a pipe whose write end only this process holds (``--parent-fd``): if this process dies,
+even by SIGKILL, the child sees end of file at once and exits instead of lingering.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class EngineResources:
     sockets: list[zmq.Socket] = field(default_factory=list)
     authenticator: zmq.auth.thread.ThreadAuthenticator | None = None
     process: subprocess.Popen[bytes] | None = None
+    # The write end of the engine's parent-death pipe. Closed only once the engine has exited:
+    # closing it tells the engine its parent died, which would cut a drain short.
+    parent_pipe: int | None = None
     default_timeout_s: float = 30.0
     closing: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -66,8 +71,17 @@ class EngineResources:
             if self.closing and not self.sockets:
                 return
             self.closing = True
-        self.stop_process(timeout)
+        try:
+            self.stop_process(timeout)
+        finally:
+            self._close_parent_pipe()
         self.close_sockets()
+
+    def _close_parent_pipe(self) -> None:
+        with self._lock:
+            fd, self.parent_pipe = self.parent_pipe, None
+        if fd is not None:
+            os.close(fd)
 
     def close_sockets(self) -> None:
         with self._lock:
@@ -139,10 +153,23 @@ def launch_engine(
             argv += ["--curve-keys-dir", curve_keys_dir]
         env = {**os.environ, **extra_env}
         logger.info("starting the engine core: %s", " ".join(argv[2:]))
-        resources.process = subprocess.Popen(argv, env=env)
+        resources.process = _spawn_with_parent_pipe(argv, env, resources)
         server = HandshakeServer(handshake, inputs, bound_address(inputs), bound_address(outputs))
         info = server.wait_for_engine(0, resources.process)
     except BaseException:
         resources.shutdown(timeout=0.0)
         raise
     return LaunchedEngine(resources, handshake, inputs, outputs, info)
+
+
+def _spawn_with_parent_pipe(
+    argv: list[str], env: dict[str, str], resources: EngineResources
+) -> subprocess.Popen[bytes]:
+    """Start the engine with ``--parent-fd``; the write end goes to ``resources``."""
+    read_end, resources.parent_pipe = os.pipe()  # both ends close on exec unless passed
+    try:
+        return subprocess.Popen(
+            [*argv, "--parent-fd", str(read_end)], env=env, pass_fds=(read_end,)
+        )
+    finally:
+        os.close(read_end)  # the child has its own copy; ours would only leak

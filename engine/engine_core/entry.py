@@ -9,7 +9,9 @@ from types import FrameType
 
 from corefleet.engine.config import EngineConfig
 from corefleet.engine.engine_core.health import EngineState, HealthServer
-from corefleet.engine.engine_core.proc import EngineCoreProc, EngineProcConfig
+from corefleet.engine.engine_core.parent_watch import watch_parent
+from corefleet.engine.engine_core.proc import EngineCoreProc
+from corefleet.engine.engine_core.proc_config import EngineProcConfig
 
 logger = logging.getLogger(__name__)
 
@@ -22,10 +24,23 @@ ENGINE_SWITCH_INTERVAL_S = 0.0005
 def run_engine_core(config: EngineConfig, proc_config: EngineProcConfig) -> int:
     """The engine process: start, serve, shut down; returns the process exit code.
 
-    SIGTERM/SIGINT while loading stop at once (exit 0); afterwards they start the configured
-    shutdown. A fatal error is logged, sent to the client as ENGINE_CORE_DEAD, and exits 1.
+    SIGTERM/SIGINT while loading or waiting for INIT stop at once (exit 0); afterwards they
+    start the configured shutdown. The death of the parent (``--parent-pid``/``--parent-fd``)
+    aborts and exits 0 in any state. A fatal error is logged, sent to the client as
+    ENGINE_CORE_DEAD, and exits 1.
     """
     engine: EngineCoreProc | None = None
+
+    def on_parent_death() -> bool:
+        if engine is None:  # loading or waiting for INIT: nothing to abort, so exit at once
+            return False
+        engine.request_abort()
+        return True
+
+    # First of all: a rank must not outlive its parent, even one that dies while it loads.
+    watch = watch_parent(
+        proc_config.rank, proc_config.parent_pid, proc_config.parent_fd, on_parent_death
+    )
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
@@ -79,6 +94,8 @@ def run_engine_core(config: EngineConfig, proc_config: EngineProcConfig) -> int:
             engine.shutdown()
         if health is not None:
             health.stop()
+        if watch is not None:
+            watch.exit_if_parent_gone()  # aborted for a dead client: no exit code to report
 
 
 def _set_state(health: HealthServer | None, state: EngineState) -> None:

@@ -204,7 +204,6 @@ class OutputThread(threading.Thread):
         make_stats: Callable[[], EngineStats],
         engine_index: int,
         stats_interval_s: float = 0.5,
-        on_tick: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name="corefleet-output", daemon=True)
         self.ctx, self.address, self.curve = ctx, address, curve
@@ -212,7 +211,6 @@ class OutputThread(threading.Thread):
         self.make_stats = make_stats
         self.engine_index = engine_index
         self.stats_interval_s = stats_interval_s
-        self.on_tick = on_tick
         self._encoder = MsgpackEncoder()
         self._free: list[bytearray] = []
         self._pending: deque[tuple[zmq.MessageTracker, bytearray]] = deque()
@@ -246,8 +244,6 @@ class OutputThread(threading.Thread):
                 if item == STATS_NOW or now >= next_stats:
                     outputs.engine_stats = self.make_stats()
                     next_stats = now + self.stats_interval_s
-                    if self.on_tick is not None:
-                        self.on_tick()  # periodic checks ride on the stats interval
                 outputs.engine_index = self.engine_index
                 self._send(sock, outputs)
         except Exception:

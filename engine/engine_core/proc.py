@@ -7,7 +7,9 @@ idle engine costs nothing and a busy one never waits on a socket.
 Shutdown (SIGTERM/SIGINT): the handler only records the request and wakes the loop. In ``drain``
 mode the engine reports ``draining`` at once, refuses new requests with finish reason
 ``rejected``, keeps stepping until idle or the timeout, then aborts the rest; in ``abort`` mode it
-finishes every request with ``abort`` at once. Then the process exits 0. A fatal error sends
+finishes every request with ``abort`` at once. Then the process exits 0. A signal while the rank
+waits for INIT again (its coordinator went away) ends that wait at once. A dead parent
+(``parent_watch``) shuts down as ``abort`` does, whatever the mode. A fatal error sends
 ``ENGINE_CORE_DEAD`` before the process exits non-zero.
 """
 
@@ -15,13 +17,11 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import zmq
 
@@ -37,6 +37,7 @@ from corefleet.engine.engine_core.io_threads import (
     OutputThread,
     error_outputs,
 )
+from corefleet.engine.engine_core.proc_config import EngineProcConfig
 from corefleet.engine.messages import (
     ENGINE_CORE_DEAD,
     EngineCoreOutput,
@@ -50,16 +51,15 @@ from corefleet.engine.messages import (
 )
 from corefleet.engine.request import Request, RequestStatus
 from corefleet.engine.transport.handshake import (
+    HandshakeCancelled,
     connect_handshake,
     own_hello,
     rank_identity,
     send_ready,
 )
-from corefleet.engine.transport.sockets import CurveKeys
 
 logger = logging.getLogger(__name__)
 
-ShutdownMode = Literal["drain", "abort"]
 _IDLE_WAIT_S = 0.2
 SHUTTING_DOWN_MESSAGE = "the engine is shutting down"
 
@@ -68,30 +68,6 @@ class ShutdownState(enum.Enum):
     RUNNING = 0
     REQUESTED = 1  # a signal arrived; the loop has not reacted yet
     SHUTTING_DOWN = 2  # draining (or aborted); the loop exits once idle
-
-
-@dataclass(frozen=True)
-class EngineProcConfig:
-    """How one engine process reaches its server and how it shuts down."""
-
-    handshake_address: str
-    rank: int = 0
-    shutdown_mode: ShutdownMode = "drain"
-    shutdown_timeout_s: float = 30.0
-    curve: CurveKeys | None = None
-    pod_name: str | None = None
-    parent_pid: int | None = None  # abort and exit when this process stops being our parent
-    stats_interval_s: float = 0.5
-    health_host: str = "0.0.0.0"
-    health_port: int = 0  # 0: no health endpoints (a rank pod uses 8001)
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.rank < 1 << 16:
-            raise ValueError(f"rank {self.rank} must be in [0, 65535]")
-        if self.shutdown_mode not in ("drain", "abort"):
-            raise ValueError(f"shutdown mode {self.shutdown_mode!r} must be drain or abort")
-        if self.shutdown_timeout_s < 0:
-            raise ValueError("the shutdown timeout must be >= 0 seconds")
 
 
 class EngineCoreProc(EngineCore):
@@ -145,7 +121,6 @@ class EngineCoreProc(EngineCore):
             self.make_engine_stats,
             init.engine_index,
             proc_config.stats_interval_s,
-            on_tick=self._check_parent,
         )
         self.output_thread.start()
         self.input_thread.start()
@@ -274,12 +249,12 @@ class EngineCoreProc(EngineCore):
             self._wake.clear()
             self.input_queue.put_nowait((EngineSignal.WAKEUP, None))
 
-    def _check_parent(self) -> None:
-        parent = self.proc_config.parent_pid
-        if parent is not None and os.getppid() != parent and not self._force_abort:
-            logger.warning("rank %d: parent process %d is gone; aborting", self.rank, parent)
-            self._force_abort = True
-            self.request_shutdown()
+    def request_abort(self) -> None:
+        """Shut down now, aborting every request whatever the shutdown mode, even mid-drain
+        (safe from any thread). For a dead parent: it was the client, nobody is left to serve."""
+        self._force_abort = True
+        self.output_thread.abandoned = True  # nobody reads the outputs: close without flushing
+        self.request_shutdown()
 
     def _handle_shutdown(self) -> bool:
         """Advance the shutdown state machine; False when the loop should exit."""
@@ -304,10 +279,13 @@ class EngineCoreProc(EngineCore):
                     cfg.shutdown_timeout_s,
                 )
                 self._drain_deadline = time.monotonic() + cfg.shutdown_timeout_s
-        elif self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
+        elif self._drain_deadline is not None and (
+            self._force_abort or time.monotonic() >= self._drain_deadline
+        ):
             logger.warning(
-                "rank %d: drain timeout; aborting %d request(s)",
+                "rank %d: %s; aborting %d request(s)",
                 self.rank,
+                "drain cut short" if self._force_abort else "drain timeout",
                 self.get_num_unfinished_requests(),
             )
             self._drain_deadline = None
@@ -346,9 +324,18 @@ class EngineCoreProc(EngineCore):
         self.output_queue.put_nowait(None)
         self.input_thread.join(timeout=2.0)
         self.output_thread.join(timeout=5.0)
-        handshake, init = connect_handshake(
-            self.ctx, self.proc_config.handshake_address, self._hello, self.proc_config.curve
-        )
+        try:
+            handshake, init = connect_handshake(
+                self.ctx,
+                self.proc_config.handshake_address,
+                self._hello,
+                self.proc_config.curve,
+                # A signal (or the parent's death) only sets the shutdown state: it must end
+                # this wait too, or the rank would ignore SIGTERM until INIT or the timeout.
+                should_stop=lambda: self.shutdown_state is not ShutdownState.RUNNING,
+            )
+        except HandshakeCancelled:
+            return  # with no requests left, the busy loop exits at its next check
         self._start_io(handshake, init)
 
     def _on_executor_failure(self) -> None:

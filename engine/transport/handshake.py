@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -43,10 +44,17 @@ _ready_decoder = msgspec.msgpack.Decoder(ReadyResponse)
 
 INIT_TIMEOUT_S = 300.0  # a rank gives up if nobody answers its HELLO for this long
 PROGRESS_LOG_INTERVAL_S = 10.0
+# How long a rank waits on the socket between checks of ``should_stop``: it bounds how late a
+# SIGTERM or a parent's death is noticed while the rank waits for INIT.
+_WAIT_POLL_MS = 100
 
 
 class EngineStartupError(RuntimeError):
     """A rank could not start: it died, or it was refused. The message names rank and cause."""
+
+
+class HandshakeCancelled(Exception):
+    """``connect_handshake`` stopped waiting for INIT because its ``should_stop`` said so."""
 
 
 def rank_identity(rank: int) -> bytes:
@@ -63,8 +71,14 @@ def connect_handshake(
     hello: Hello,
     curve: CurveKeys | None,
     timeout_s: float = INIT_TIMEOUT_S,
+    should_stop: Callable[[], bool] | None = None,
 ) -> tuple[zmq.Socket, Init]:
-    """Send HELLO and wait for INIT; returns the socket (for READY) and the addresses."""
+    """Send HELLO and wait for INIT; returns the socket (for READY) and the addresses.
+
+    ``should_stop`` is asked every 100 ms while waiting; once it returns True the wait ends with
+    :class:`HandshakeCancelled` (the socket closed). EngineStartupError: refused, or no INIT
+    within ``timeout_s``.
+    """
     sock = make_socket(
         ctx,
         zmq.DEALER,
@@ -79,7 +93,7 @@ def connect_handshake(
     sock.send(_encoder.encode(hello))
     logger.info("rank %d: HELLO sent to %s, waiting for INIT", hello.rank, address)
     try:
-        _wait_for_reply(sock, monitor, address, hello.rank, timeout_s)
+        _wait_for_reply(sock, monitor, address, hello.rank, timeout_s, should_stop)
     except BaseException:
         sock.disable_monitor()
         monitor.close(linger=0)
@@ -110,13 +124,16 @@ def _wait_for_reply(
     address: str,
     rank: int,
     timeout_s: float,
+    should_stop: Callable[[], bool] | None,
 ) -> None:
     started = last_log = time.monotonic()
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
     while True:
-        events = dict(poller.poll(1000))
+        if should_stop is not None and should_stop():
+            raise HandshakeCancelled(f"rank {rank}: stopped waiting for INIT from {address}")
+        events = dict(poller.poll(_WAIT_POLL_MS))
         if sock in events:
             return
         if monitor in events:

@@ -316,10 +316,10 @@ def test_curve_admits_the_engine_and_nobody_else(tiny: Path, tmp_path: Path) -> 
 
 
 def test_engine_whose_parent_is_gone_exits_by_itself(tiny: Path) -> None:
-    # PID 1 is not our parent: the engine must conclude its parent died, abort and exit.
+    # PID 1 is not our parent: the engine must conclude its parent died and exit, without
+    # waiting for a handshake (tests/integration/test_engine_orphans.py covers every state).
     with bare_engine(tiny, "--parent-pid", "1", "--health-port", "0") as engine:
-        engine.serve_handshake()
-        assert engine.process.wait(timeout=10) == 0
+        assert engine.process.wait(timeout=60) == 0
 
 
 @pytest.mark.parametrize("client", ["sync", "async"])
