@@ -37,8 +37,9 @@ class RequestLimits:
     # --max-num-seqs, so that one request never needs more than one batch.
     max_n: int | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    # Completions in flight at once, server-wide. None: twice the ready ranks' total
-    # --max-num-seqs: enough to keep every batch full with a queue behind it, no more.
+    # Completions in flight at once, server-wide. None: the ready ranks' total --max-num-seqs,
+    # so an admitted request joins a batch at once instead of queueing on a rank: past
+    # saturation, admitted requests keep a short time to first token and the rest get 429.
     max_concurrent_requests: int | None = None
     # Completions in flight at once per API key (only with API keys). None: no per-key limit.
     max_concurrent_requests_per_key: int | None = None
@@ -77,7 +78,7 @@ class RequestLimits:
         """The server-wide in-flight bound, given the ready ranks' total batch size."""
         if self.max_concurrent_requests is not None:
             return self.max_concurrent_requests
-        return max(1, 2 * total_max_num_seqs)
+        return max(1, total_max_num_seqs)
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +103,7 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="completions in flight at once, server-wide; beyond it a 429 with Retry-After "
-        "(default: twice the ready ranks' total --max-num-seqs)",
+        "(default: the ready ranks' total --max-num-seqs)",
     )
     g.add_argument(
         "--max-concurrent-requests-per-key",

@@ -74,7 +74,7 @@ def test_limits_defaults_follow_the_ranks_and_flags_override() -> None:
     assert limits.effective_max_n(None) == FALLBACK_MAX_N
     assert limits.effective_max_n(8) == 8
     assert RequestLimits(max_n=3).effective_max_n(8) == 3
-    assert limits.effective_max_concurrent(16) == 32
+    assert limits.effective_max_concurrent(16) == 16
     assert RequestLimits(max_concurrent_requests=5).effective_max_concurrent(16) == 5
 
 
