@@ -10,10 +10,31 @@ from typing import TypeAlias
 import msgspec
 
 from corefleet.engine.frontend.tokenizer import Tokenizer
-from corefleet.engine.messages import EngineCoreRequest, SamplingParams, validate_prompt
+from corefleet.engine.messages import (
+    EngineCoreRequest,
+    SamplingParams,
+    validate_prompt,
+    validate_prompt_length,
+)
 
 # A prompt is text, or a mapping with "prompt_token_ids" (and optionally "prompt").
 PromptType: TypeAlias = str | Mapping[str, object]
+
+
+class ContextLengthExceeded(ValueError):
+    """A prompt that leaves no room in the context for what the request asks to generate.
+
+    ``code`` is OpenAI's for this refusal; the HTTP API reports it in the error body, so a
+    client can tell it from a malformed request (only the tokenizer can tell it apart).
+    """
+
+    code = "context_length_exceeded"
+
+
+class EmptyPrompt(ValueError):
+    """A prompt without a token: text made only of characters the tokenizer drops."""
+
+    code = "empty_prompt"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +60,7 @@ class InputProcessor:
         """
         most_tokens = self.max_model_len - 1
         if len(text) > 2 * self.tokenizer.max_token_chars * most_tokens:
-            raise ValueError(
+            raise ContextLengthExceeded(
                 f"the prompt has {len(text)} characters, far more than the model's maximum "
                 f"context length (max_model_len) of {self.max_model_len} tokens can hold"
             )
@@ -68,6 +89,11 @@ class InputProcessor:
     ) -> list[EngineCoreRequest]:
         """One engine request per sample (``n`` of them), ids ``{i}_{request_id}`` when n > 1."""
         params.validate(self.vocab_size)
+        try:
+            validate_prompt_length(len(prompt.prompt_token_ids), self.max_model_len)
+        except ValueError as exc:
+            kind = ContextLengthExceeded if prompt.prompt_token_ids else EmptyPrompt
+            raise kind(str(exc)) from None
         validate_prompt(prompt.prompt_token_ids, self.max_model_len, self.vocab_size)
         params = self._resolve_max_tokens(len(prompt.prompt_token_ids), params)
         now = time.time()
@@ -76,7 +102,8 @@ class InputProcessor:
         requests = []
         for i in range(params.n):
             # Each sample gets its own seed so that seeded n>1 requests are not n copies.
-            seed = None if params.seed is None else params.seed + i
+            # Modulo: seeds stay in [0, 2**63) even next to the top one.
+            seed = None if params.seed is None else (params.seed + i) % 2**63
             child = msgspec.structs.replace(params, n=1, seed=seed)
             requests.append(
                 EngineCoreRequest(
@@ -87,12 +114,19 @@ class InputProcessor:
 
     def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> SamplingParams:
         """``params`` with ``max_tokens=None`` resolved to the room the (validated, so not too
-        long) prompt leaves; ValueError when an explicit ``max_tokens`` does not fit."""
+        long) prompt leaves; ContextLengthExceeded when an explicit ``max_tokens``, or
+        ``min_tokens``, does not fit."""
         room = self.max_model_len - num_prompt
         if params.max_tokens is None:
+            if params.min_tokens > room:
+                raise ContextLengthExceeded(
+                    f"min_tokens={params.min_tokens} does not fit: the prompt has {num_prompt} "
+                    f"tokens and max_model_len is {self.max_model_len}, so at most {room} "
+                    "tokens can be generated"
+                )
             return msgspec.structs.replace(params, max_tokens=room)
         if params.max_tokens > room:
-            raise ValueError(
+            raise ContextLengthExceeded(
                 f"max_tokens={params.max_tokens} does not fit: the prompt has {num_prompt} "
                 f"tokens and max_model_len is {self.max_model_len}, so at most {room} "
                 "tokens can be generated"

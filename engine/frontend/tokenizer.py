@@ -63,6 +63,12 @@ _SPLITS = {
 _IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe"})
 
 
+class ChatTemplateRefused(ValueError):
+    """The model's chat template rejected a conversation (or could not render it)."""
+
+    code = "chat_template_refused"  # the HTTP API's error code for it
+
+
 class Tokenizer:
     """Encode, decode and chat-format text for one model."""
 
@@ -162,7 +168,8 @@ class Tokenizer:
 
         Raises:
             ValueError: the model has no chat template.
-            jinja2.TemplateError: the template rejected the conversation (``raise_exception``).
+            ChatTemplateRefused: the template rejected the conversation (its
+                ``raise_exception``, e.g. a role it does not know) or could not render it.
         """
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
@@ -174,11 +181,16 @@ class Tokenizer:
         }
         variables.update(kwargs)
         template = _compile_template(self.chat_template)
-        return template.render(
-            messages=[dict(m) for m in messages],
-            add_generation_prompt=add_generation_prompt,
-            **variables,
-        )
+        try:
+            return template.render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except jinja2.exceptions.SecurityError:
+            raise  # the template itself is hostile: a fault of the server, not of the request
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateRefused(f"the chat template refused the conversation: {exc}") from exc
 
 
 # -- chat template environment ------------------------------------------------------------

@@ -33,6 +33,7 @@ from corefleet.engine.openai.admission import (
 from corefleet.engine.openai.errors import RequestError, parse_request
 from corefleet.engine.openai.limits import FALLBACK_MAX_N, RequestLimits
 from corefleet.engine.openai.metrics import ServingMetrics
+from corefleet.engine.openai.openapi import served_openapi
 from corefleet.engine.openai.responses import (
     chat_chunks,
     chat_response,
@@ -145,6 +146,13 @@ def build_app(state: ServerState) -> FastAPI:
             return _error(err)
         return await _generate(state, request, body, [_ChatPrompt(body.template_messages())])
 
+    app.openapi = lambda: served_openapi(  # type: ignore[method-assign]
+        state.model_name,
+        bool(state.api_keys),
+        state.max_n(),
+        state.limits,
+        state.fleet.membership.accepting(),
+    )
     return app
 
 
@@ -249,7 +257,10 @@ async def _start(
     try:
         return await asyncio.to_thread(build)
     except ValueError as exc:  # a prompt too long, or a template refusing the conversation
-        raise RequestError(str(exc), param=_blamed_field(body, str(exc))) from None
+        # A refusal no JSON Schema can foresee (too many tokens, a template's rule) carries
+        # the code the OpenAPI document lists for it.
+        code = getattr(exc, "code", None)
+        raise RequestError(str(exc), param=_blamed_field(body, str(exc)), code=code) from None
 
 
 def _blamed_field(body: p.CompletionRequest | p.ChatCompletionRequest, message: str) -> str:

@@ -14,6 +14,11 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 __all__ = [
+    "CHAT_TEMPLATE_REFUSED",
+    "CONTEXT_LENGTH_EXCEEDED",
+    "EMPTY_PROMPT",
+    "MIN_TOKENS_ABOVE_MAX_TOKENS",
+    "SCHEMA_VALID_REFUSALS",
     "SSE_DONE",
     "ErrorInfo",
     "ErrorResponse",
@@ -28,6 +33,22 @@ __all__ = [
 ]
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+
+# The ``code`` of a 400 for a request that no JSON Schema can tell from an acceptable one: the
+# rule counts tokens (only the tokenizer knows them) or compares two fields. Everything else is
+# in the OpenAPI document (``openapi.py``), which lists these codes.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for the same refusal
+MIN_TOKENS_ABOVE_MAX_TOKENS = "min_tokens_above_max_tokens"
+EMPTY_PROMPT = "empty_prompt"
+CHAT_TEMPLATE_REFUSED = "chat_template_refused"
+SCHEMA_VALID_REFUSALS: dict[str, str] = {
+    CONTEXT_LENGTH_EXCEEDED: "the prompt, counted in tokens, does not leave room in the "
+    "model's context (max_model_len) for max_tokens (or min_tokens) more tokens",
+    MIN_TOKENS_ABOVE_MAX_TOKENS: "min_tokens is larger than max_tokens",
+    EMPTY_PROMPT: "the prompt's text has no token (only characters the tokenizer drops)",
+    CHAT_TEMPLATE_REFUSED: "the model's chat template refused the conversation (for example a "
+    "role or an order of roles it does not support)",
+}
 
 
 class ErrorInfo(BaseModel):
@@ -133,8 +154,11 @@ def error_from_sampling(exc: ValueError, renamed: Mapping[str, str]) -> RequestE
         return RequestError(message)
     name = match.group(1)
     param = renamed.get(name, name)
+    above_max = name == "min_tokens" and "must not exceed max_tokens" in message
     return RequestError(
-        message.replace(f"parameter {name}=", f"parameter {param}=", 1), param=param
+        message.replace(f"parameter {name}=", f"parameter {param}=", 1),
+        param=param,
+        code=MIN_TOKENS_ABOVE_MAX_TOKENS if above_max else None,
     )
 
 

@@ -3,7 +3,8 @@
 Requests: unknown fields are ignored (``extra="ignore"``): SDKs and proxies add their own
 (``extra_body`` keys, newer OpenAI parameters) and refusing them breaks clients. Known fields
 are strict: ``"temperature": "0.5"`` or ``"stream": 1`` fail, as at OpenAI, instead of being
-coerced (an int is fine for a float); ``null`` means the default. Known parameters we cannot
+coerced (an int is fine for a float, and ``5.0`` for an int: JSON does not tell them apart);
+``null`` means the default. Known parameters we cannot
 honour (``echo``, ``suffix``, ``logit_bias``, ``tools``, non-text ``response_format``,
 ``best_of`` != ``n``) get a 400: ignoring them would silently change the answer. Ranges live in
 :meth:`SamplingParams.validate`; only OpenAI-specific bounds are declared here.
@@ -20,7 +21,14 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from corefleet.engine.messages import FinishReason, SamplingParams
 from corefleet.engine.openai import limits
@@ -29,10 +37,21 @@ from corefleet.engine.openai.errors import RequestError, error_from_sampling, un
 # Floats must be finite: NaN and Infinity are not JSON, and 1e400 overflows to inf.
 _REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
+
+def _whole(value: Any) -> Any:
+    """``5.0`` as ``5``: JSON (and JSON Schema) do not tell an integral number's spellings apart.
+    Lists are converted item by item (token ids)."""
+    if isinstance(value, list):
+        return [_whole(x) for x in value]
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
+_WHOLE = BeforeValidator(_whole)
+
 # Every integer a client sends fits the wire's 64 bits (msgpack cannot carry a larger one).
-Int64 = Annotated[int, Field(ge=limits.INT64_MIN, le=limits.INT64_MAX)]
-PositiveInt64 = Annotated[int, Field(ge=1, le=limits.INT64_MAX)]
-NonNegativeInt64 = Annotated[int, Field(ge=0, le=limits.INT64_MAX)]
+Int64 = Annotated[int, Field(ge=limits.INT64_MIN, le=limits.INT64_MAX), _WHOLE]
+PositiveInt64 = Annotated[int, Field(ge=1, le=limits.INT64_MAX), _WHOLE]
+NonNegativeInt64 = Annotated[int, Field(ge=0, le=limits.INT64_MAX), _WHOLE]
 StopString = Annotated[str, Field(min_length=1, max_length=limits.MAX_STOP_STRING_CHARS)]
 _StopInput = (
     StopString | Annotated[list[StopString], Field(max_length=limits.MAX_STOP_STRINGS)] | None
@@ -116,7 +135,7 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # accepted for compatibility; not used
-    top_k: Annotated[int, Field(ge=-1, le=limits.INT64_MAX)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=limits.INT64_MAX), _WHOLE] | None = None
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0, le=2)
     ignore_eos: bool | None = None
@@ -140,7 +159,7 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: PositiveInt64 | None = 16  # explicit null: up to the context length, as vLLM
-    logprobs: int | None = Field(default=None, ge=0, le=limits.MAX_COMPLETION_LOGPROBS)
+    logprobs: Annotated[int, Field(ge=0, le=limits.MAX_COMPLETION_LOGPROBS), _WHOLE] | None = None
     echo: bool | None = False
     suffix: str | None = None
     best_of: PositiveInt64 | None = None
@@ -149,6 +168,8 @@ class CompletionRequest(_SamplingRequest):
     @classmethod
     def _check_prompt(cls, value: Any) -> Any:
         # One readable message instead of four union-member errors.
+        value = _whole(value)
+
         def is_ids(x: Any) -> bool:
             return isinstance(x, list) and bool(x) and all(type(t) is int and t >= 0 for t in x)
 
@@ -176,7 +197,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: PositiveInt64 | None = None
     max_completion_tokens: PositiveInt64 | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=limits.MAX_TOP_LOGPROBS)
+    top_logprobs: Annotated[int, Field(ge=0, le=limits.MAX_TOP_LOGPROBS), _WHOLE] | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 

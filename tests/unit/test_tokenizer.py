@@ -10,11 +10,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import jinja2
 import pytest
 
 from corefleet.engine.frontend.detokenizer import IncrementalDetokenizer, check_stop_strings
-from corefleet.engine.frontend.tokenizer import Tokenizer
+from corefleet.engine.frontend.tokenizer import ChatTemplateRefused, Tokenizer
 from tests.fixtures_models import (
     BOS_TOKEN,
     EOS_TOKEN,
@@ -287,8 +286,9 @@ def test_chat_template_variables_and_whitespace_control(tiny: Tokenizer) -> None
 
 
 def test_chat_template_raise_exception(tiny: Tokenizer) -> None:
-    with pytest.raises(jinja2.TemplateError, match="unknown role: tool"):
+    with pytest.raises(ChatTemplateRefused, match="unknown role: tool") as refused:
         tiny.apply_chat_template([{"role": "tool", "content": "x"}])
+    assert isinstance(refused.value, ValueError)  # a client's mistake, not a server error
 
 
 def test_chat_template_is_sandboxed() -> None:

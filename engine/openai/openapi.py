@@ -1,0 +1,400 @@
+"""The OpenAPI 3.1 document of the HTTP API (``GET /openapi.json``), written out, not inferred.
+
+The handlers read raw bodies (to word their own errors), so FastAPI's routes say nothing of what
+they take or answer. :func:`openapi_document` says it: request bodies and responses from the
+pydantic models (a stream is ``text/event-stream``, one schema per event), every error status
+with OpenAI's error body, ``/metrics`` as text, the bearer scheme when API keys are on.
+
+A request the schema accepts is one the server accepts, but for what no JSON Schema can say (a
+prompt's length in tokens, ``min_tokens`` against ``max_tokens``): those 400s carry a ``code``
+of :data:`~corefleet.engine.openai.errors.SCHEMA_VALID_REFUSALS`, listed in the document. The
+rest is in the schema: the served ranks' bounds (``n`` × prompts, ``max_model_len``, token ids
+below ``vocab_size``, the model's name) and the cross-field rules, such as ``stream_options``
+only with ``stream`` (an ``anyOf`` each: fuzzers expand ``if``/``then`` into far more cases).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from importlib import metadata
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaMode, models_json_schema
+
+from corefleet.engine.coordinator.membership import RankMember
+from corefleet.engine.openai import protocol as p
+from corefleet.engine.openai.errors import SCHEMA_VALID_REFUSALS, ErrorResponse
+from corefleet.engine.openai.limits import RequestLimits
+
+__all__ = ["openapi_document", "served_openapi"]
+
+Schema = dict[str, Any]
+JSON, SSE, TEXT = "application/json", "text/event-stream", "text/plain"
+_REF = "#/components/schemas/{model}"
+_NULL: Schema = {"type": "null"}
+_MAX_N_RANGES = 6
+try:
+    _VERSION = metadata.version("corefleet")
+except metadata.PackageNotFoundError:  # pragma: no cover - not installed
+    _VERSION = "0"
+
+
+def _ref(name: str) -> Schema:
+    return {"$ref": _REF.format(model=name)}
+
+
+class _AllFieldsRequired(GenerateJsonSchema):
+    """Serialization schemas with every field required: responses are dumped with nulls kept."""
+
+    def field_is_required(self, field: Any, total: bool) -> bool:
+        return self.mode == "serialization" or super().field_is_required(field, total)
+
+
+def _schemas(models: Sequence[type[BaseModel]], mode: JsonSchemaMode) -> dict[str, Schema]:
+    _, top = models_json_schema(
+        [(m, mode) for m in models], ref_template=_REF, schema_generator=_AllFieldsRequired
+    )
+    return dict(top.get("$defs", {}))
+
+
+def _map(schema: Any, fn: Callable[[Schema], Schema]) -> Any:
+    """``schema`` with ``fn`` applied to each object in it, innermost first."""
+    if isinstance(schema, list):
+        return [_map(s, fn) for s in schema]
+    return fn({k: _map(v, fn) for k, v in schema.items()}) if isinstance(schema, dict) else schema
+
+
+def _streamed(schema: Schema) -> Schema:
+    """A model's schema as ``exclude_none`` dumps it: a nullable field is absent, never null."""
+    for name, prop in schema.get("properties", {}).items():
+        if _NULL in prop.get("anyOf", []):
+            rest = [b for b in prop["anyOf"] if b != _NULL]
+            kept = {k: v for k, v in prop.items() if k not in ("anyOf", "default")}
+            schema["properties"][name] = kept | (rest[0] if len(rest) == 1 else {"anyOf": rest})
+            schema["required"] = [r for r in schema.get("required", []) if r != name]
+    return schema
+
+
+def _stream_schemas(responses: dict[str, Schema]) -> dict[str, Schema]:
+    """The stream chunks' schemas; a model whose streamed form differs from its whole-response
+    form (or refers to one that does) is named ``Streamed<Name>``."""
+    models: list[type[BaseModel]] = [p.CompletionStreamResponse, p.ChatCompletionChunk]
+    chunks = _map(_schemas(models, "serialization"), _streamed)
+    names: set[str] = set()
+
+    def renamed(schema: Schema) -> Schema:
+        target = schema.get("$ref", "").rpartition("/")[2]
+        return _ref(f"Streamed{target}") if target in names else schema
+
+    while True:
+        current = {n: _map(s, renamed) for n, s in chunks.items()}
+        differ = {n for n, s in current.items() if n in responses and s != responses[n]}
+        if differ <= names:
+            return {(f"Streamed{n}" if n in names else n): s for n, s in current.items()}
+        names |= differ
+
+
+def _int(prop: Schema, **bounds: int) -> None:
+    """Add ``bounds`` to the integer branch of ``prop`` (``X`` or ``anyOf: [X, null]``)."""
+    for branch in [prop, *prop.get("anyOf", [])]:
+        if branch.get("type") == "integer":
+            branch.update(bounds)
+
+
+def _only(values: list[Any], why: str, **schema: Any) -> Schema:
+    """A parameter the server refuses but for these values (``schema`` or an ``enum``)."""
+    accepted = [schema] if schema else []
+    return {"anyOf": [*accepted, *({"const": v} for v in values)], "description": why}
+
+
+def _absent_or_null(field: str) -> Schema:
+    return {"properties": {field: _NULL}}
+
+
+def _one(field: str) -> Schema:
+    """``field`` absent, null or 1."""
+    return {"properties": {field: {"enum": [1, None]}}}
+
+
+def _is(field: str, value: Any) -> Schema:
+    return {"required": [field], "properties": {field: {"const": value}}}
+
+
+def _sampling_rules(
+    schema: Schema, model_name: str, max_n: int, max_model_len: int | None, vocab: int | None
+) -> None:
+    """The bounds and rules both generation endpoints share, patched into ``schema``."""
+    props = schema["properties"]
+    props["model"] = {"enum": [model_name, None], "default": None, "title": "Model"}
+    _int(props["n"], maximum=max_n)
+    for branch in props["stop_token_ids"]["anyOf"]:
+        if vocab is not None and "items" in branch:
+            _int(branch["items"], maximum=vocab - 1)
+    for name in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        if max_model_len is not None and name in props:
+            _int(props[name], maximum=max_model_len - 1)  # a prompt has at least one token
+    props["logit_bias"] = _only(
+        [None], "not supported: only {} or null", type="object", maxProperties=0
+    )
+    props["stream_options"]["description"] = "only with stream: true"
+    schema["allOf"] = [{"anyOf": [_absent_or_null("stream_options"), _is("stream", True)]}]
+
+
+def _n_ranges(max_n: int) -> list[tuple[int, int, int]]:
+    """(first n, last n, most prompts) over n = 2..max_n: exact (n × prompts <= max_n) while
+    there are few distinct bounds, else _MAX_N_RANGES geometric ranges, each with the bound of
+    its largest n (stricter than the server for the others: schemathesis gives up on an
+    ``anyOf`` of more than about ten branches here)."""
+    exact, n = [], 2
+    while n <= max_n:
+        last = max_n // (max_n // n)
+        exact.append((n, last, max_n // n))
+        n = last + 1
+    if len(exact) <= _MAX_N_RANGES:
+        return exact
+    ranges, first = [], 2
+    for i in range(1, _MAX_N_RANGES + 1):
+        last = min(max_n, math.ceil(max_n ** (i / _MAX_N_RANGES)))
+        if last >= first:
+            ranges.append((first, last, max_n // last))
+            first = last + 1
+    return ranges
+
+
+def _completion_rules(
+    schema: Schema, max_n: int, max_model_len: int | None, vocab: int | None
+) -> None:
+    """``POST /v1/completions``: the prompt's forms and bounds, n × prompts, what is refused."""
+    props, rules = schema["properties"], schema["allOf"]
+    token = {"type": "integer", "minimum": 0} | ({} if vocab is None else {"maximum": vocab - 1})
+    ids: Schema = {"type": "array", "items": token, "minItems": 1}
+    if max_model_len is not None:
+        ids["maxItems"] = max_model_len - 1
+    text = {"type": "string", "minLength": 1}
+    many = [{"type": "array", "items": x, "minItems": 1, "maxItems": max_n} for x in (text, ids)]
+    props["prompt"] = {
+        "title": "Prompt",
+        "description": f"text or token ids, or a list of either; n × prompts is at most {max_n}",
+        "anyOf": [text, ids, *many],
+    }
+    # n × prompts <= max_n: one prompt, or n = 1, or n in a range with a bound on the prompts.
+    one_prompt = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]}
+    cases: list[Schema] = [{"properties": {"prompt": one_prompt}}, _one("n")]
+    for first, last, most in _n_ranges(max_n):
+        n_range = {"type": "integer", "minimum": first, "maximum": last}
+        prompts = {"type": "array", "maxItems": most}
+        cases.append({"required": ["n"], "properties": {"n": n_range, "prompt": prompts}})
+    rules.append({"anyOf": cases})
+    props["echo"] = _only([False, None], "not supported: only false or null")
+    props["suffix"] = _only(["", None], "not supported: only an empty string or null")
+    # The server takes best_of = n, but n > 1 would take a branch per n (and best_of is legacy).
+    props["best_of"] = _only([1, None], "only equal to n (this document: 1, with n = 1)")
+    rules.append({"anyOf": [_absent_or_null("best_of"), _one("n")]})
+    default = p.CompletionRequest.model_fields["max_tokens"].default
+    min_tokens = {"properties": {"min_tokens": {"maximum": default}}}
+    rules.append({"anyOf": [{"required": ["max_tokens"]}, min_tokens]})
+
+
+def _chat_rules(schema: Schema, messages: Schema) -> None:
+    """``POST /v1/chat/completions``: what is refused, and top_logprobs only with logprobs."""
+    props = schema["properties"]
+    props["tools"] = _only([None], "not supported: only [] or null", type="array", maxItems=0)
+    text_format = {"type": "object", "properties": {"type": {"const": "text"}}}
+    props["response_format"] = _only([None], "only the text format", **text_format)
+    props["top_logprobs"]["description"] = "only with logprobs: true"
+    schema["allOf"].append({"anyOf": [_absent_or_null("top_logprobs"), _is("logprobs", True)]})
+    # Only an assistant turn may lack content.
+    content = {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}}}
+    messages["allOf"] = [{"anyOf": [_is("role", "assistant"), content]}]
+
+
+def _object(description: str, **props: Schema) -> Schema:
+    """An object with all of ``props`` required."""
+    schema = {"type": "object", "description": description, "properties": props}
+    return schema | {"required": list(props)}
+
+
+def _hand_written() -> dict[str, Schema]:
+    """Schemas of the answers that have no pydantic model."""
+    count, number, text = {"type": "integer", "minimum": 0}, {"type": "number"}, {"type": "string"}
+    maybe_int, flag = {"type": ["integer", "null"]}, {"type": "boolean"}
+    stats = _object("Load (null until the rank's first report)", waiting=count, running=count)
+    stats["properties"] |= {"kv_cache_usage": number, "prefix_cache_hit_rate": number}
+    stats["properties"] |= {"draining": flag, "steps": count}
+    stats |= {"type": ["object", "null"], "required": list(stats["properties"])}
+    state = {"enum": ["handshaking", "ready", "draining", "dead"]}
+    rank = _object("A rank", rank=count, state=state, pod_name=text, pid=count, incarnation=count)
+    rank["properties"] |= {"kv_cache_tokens": maybe_int, "max_model_len": maybe_int}
+    rank["properties"] |= {"stats": stats, "dead_reason": {"type": ["string", "null"]}}
+    rank["required"] = list(rank["properties"])
+    ranks = {"type": "object", "additionalProperties": count}
+    events = {}
+    for name, chunk in (
+        ("Completion", "CompletionStreamResponse"),
+        ("ChatCompletion", "ChatCompletionChunk"),
+    ):
+        as_json = {"type": "string", "contentMediaType": JSON, "contentSchema": _ref(chunk)}
+        data = {"anyOf": [{"const": "[DONE]"}, as_json]}
+        events[f"{name}Event"] = _object(f"`data`: a {chunk} as JSON, [DONE] last", data=data)
+    return events | {
+        "Health": _object("The process works", status={"const": "ok"}),
+        "Readiness": _object("Whether a rank serves; ranks per state", ready=flag, ranks=ranks),
+        "RankStatus": rank,
+    }
+
+
+_TEXT: Schema = {"schema": {"type": "string"}}
+_OVERLOADED = "uvicorn's plain-text 'Service Unavailable': more connections than --max-connections"
+
+
+def _error(description: str, *, text: bool = False, retry: bool | None = None) -> Schema:
+    """A response with OpenAI's error body (and uvicorn's plain text when ``text``); with a
+    ``Retry-After`` header, required when ``retry`` is True."""
+    content = {JSON: {"schema": _ref("ErrorResponse")}} | ({TEXT: _TEXT} if text else {})
+    out: Schema = {"description": description, "content": content}
+    if retry is not None:
+        seconds = {"type": "integer", "minimum": 0}
+        header = {"description": "seconds to wait before retrying", "schema": seconds}
+        out["headers"] = {"Retry-After": header | {"required": retry}}
+    return out
+
+
+def _responses(limits: RequestLimits) -> dict[str, Schema]:
+    """The shared responses, by name."""
+    return {
+        "BadRequest": _error(
+            "The request is malformed or out of range; `param` names the field. A request "
+            f"this document accepts is refused only {_REFUSALS}"
+        ),
+        "Unauthorized": _error("No `Authorization: Bearer KEY` header with a configured key"),
+        "ModelNotFound": _error("`model` is not the served model (code `model_not_found`)"),
+        "RequestTimeout": _error(
+            f"The body did not arrive within {limits.body_timeout_s:g} s (--body-timeout)"
+        ),
+        "PayloadTooLarge": _error(
+            f"The body is over {limits.max_request_body_bytes} bytes (--max-request-body-bytes)"
+        ),
+        "TooManyRequests": _error(
+            "Too many completions in flight, server-wide or for this API key", retry=True
+        ),
+        "Unavailable": _error(f"No rank is ready yet, or {_OVERLOADED}", text=True, retry=False),
+        "Overloaded": {"description": _OVERLOADED, "content": {TEXT: _TEXT}},
+    }
+
+
+_REFUSALS = "with a 400 whose `error.code` is one of these, for what no JSON Schema can say: " + (
+    "; ".join(f"`{code}`: {why}" for code, why in SCHEMA_VALID_REFUSALS.items())
+)
+
+
+def _operation(op_id: str, ok: Schema, *, protected: bool, auth: bool, **errors: str) -> Schema:
+    """An operation answering ``ok`` (200) or ``errors`` (status -> shared response name); 401
+    and the bearer scheme when ``protected`` and API keys are on; 503 always (uvicorn's)."""
+    responses = {"200": ok, "503": _status("Overloaded")}
+    responses |= {status: _status(name) for status, name in errors.items()}
+    out: Schema = {"operationId": op_id, "summary": ok["description"], "responses": responses}
+    if protected and auth:
+        out["security"] = [{"bearer": []}]
+        responses["401"] = _status("Unauthorized")
+    return out
+
+
+def _status(name: str) -> Schema:
+    return {"$ref": f"#/components/responses/{name}"}
+
+
+def _generation(op_id: str, name: str, auth: bool) -> Schema:
+    """``POST`` of a ``<name>Request``, answering a ``<name>Response`` or ``<name>Event``s."""
+    content = {JSON: {"schema": _ref(f"{name}Response")}, SSE: {"schema": _ref(f"{name}Event")}}
+    ok = {"description": f"A {name}, or server-sent events with `stream`", "content": content}
+    errors = {"400": "BadRequest", "404": "ModelNotFound", "408": "RequestTimeout"}
+    errors |= {"413": "PayloadTooLarge", "429": "TooManyRequests", "503": "Unavailable"}
+    body = {"required": True, "content": {JSON: {"schema": _ref(f"{name}Request")}}}
+    return {"requestBody": body} | _operation(op_id, ok, protected=True, auth=auth, **errors)
+
+
+def _json(description: str, schema: Schema) -> Schema:
+    return {"description": description, "content": {JSON: {"schema": schema}}}
+
+
+def _paths(auth: bool) -> Schema:
+    op = functools.partial(_operation, auth=auth)
+    ready = _json("Ready (200) or not (503)", _ref("Readiness"))
+    ready_op = op("ready", ready, protected=False)
+    ready_op["responses"]["503"] = ready | {"content": ready["content"] | {TEXT: _TEXT}}
+    models = _json("The served model", _ref("ModelList"))
+    engines = {"type": "array", "items": _ref("RankStatus")}
+    return {
+        "/v1/completions": {"post": _generation("createCompletion", "Completion", auth)},
+        "/v1/chat/completions": {
+            "post": _generation("createChatCompletion", "ChatCompletion", auth)
+        },
+        "/v1/models": {"get": op("listModels", models, protected=True)},
+        "/health": {"get": op("health", _json("It works", _ref("Health")), protected=False)},
+        "/ready": {"get": ready_op},
+        "/metrics": {
+            "get": op(
+                "metrics", {"description": "Prometheus", "content": {TEXT: _TEXT}}, protected=False
+            )
+        },
+        "/admin/engines": {"get": op("listEngines", _json("The ranks", engines), protected=True)},
+    }
+
+
+@functools.lru_cache(maxsize=32)
+def openapi_document(
+    model_name: str,
+    *,
+    auth: bool,
+    max_n: int,
+    max_model_len: int | None = None,
+    vocab_size: int | None = None,
+    limits: RequestLimits | None = None,
+) -> dict[str, Any]:
+    """The API's OpenAPI 3.1 document, for these values (cached: treat it as read-only).
+
+    Args:
+        model_name: the served model's name, the only ``model`` a request may name.
+        auth: API keys are on: ``/v1/*`` and ``/admin/*`` need ``Authorization: Bearer KEY``.
+        max_n: the most completions one request may ask for (``n`` × prompts).
+        max_model_len, vocab_size: the ranks' context length and vocabulary; None while no
+            rank is ready (the bounds that depend on them are then left out).
+        limits: the request limits, for the 408 and 413 descriptions.
+    """
+    requests = _schemas([p.CompletionRequest, p.ChatCompletionRequest], "validation")
+    models: list[type[BaseModel]] = [p.CompletionResponse, p.ChatCompletionResponse, p.ModelList]
+    responses = _schemas([*models, ErrorResponse], "serialization")
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        _sampling_rules(requests[name], model_name, max_n, max_model_len, vocab_size)
+    _completion_rules(requests["CompletionRequest"], max_n, max_model_len, vocab_size)
+    _chat_rules(requests["ChatCompletionRequest"], requests["ChatMessage"])
+    schemas = requests | responses | _stream_schemas(responses) | _hand_written()
+    components = {"schemas": schemas, "responses": _responses(limits or RequestLimits())}
+    if auth:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    description = (
+        f"The OpenAI-compatible API of corefleet, serving `{model_name}`. Errors are OpenAI's "
+        '`{"error": {"message", "type", "param", "code"}}`. A request valid under this '
+        f"document is accepted, or refused {_REFUSALS}."
+    )
+    info = {"title": "corefleet", "version": _VERSION, "description": description}
+    return {"openapi": "3.1.0", "info": info, "paths": _paths(auth), "components": components}
+
+
+def served_openapi(
+    model_name: str, auth: bool, max_n: int, limits: RequestLimits, ranks: Sequence[RankMember]
+) -> dict[str, Any]:
+    """:func:`openapi_document` for the ranks serving now (the first's context and vocabulary,
+    as the handlers use)."""
+    info = ranks[0].info if ranks else None
+    return openapi_document(
+        model_name,
+        auth=auth,
+        max_n=max_n,
+        max_model_len=info.max_model_len if info else None,
+        vocab_size=info.vocab_size if info else None,
+        limits=limits,
+    )
