@@ -1,0 +1,183 @@
+"""OpenAI-compatible response models: what the API answers, whole or streamed.
+
+Responses are dumped with nulls kept (``model_dump_json()``), as OpenAI sends them; stream
+chunks without (``errors.sse_event``), which drops ``role`` after the first delta and ``usage``
+before the last chunk, as OpenAI streams do. ``protocol`` re-exports every model here, so the
+API's models are all ``protocol.X``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+# OpenAI's "extremely unlikely": JSON has no -inf (pydantic writes null, the client refuses it).
+_MIN_LOGPROB = -9999.0
+
+
+def _finite(value: Any) -> Any:
+    return value if value is None or math.isfinite(value) else _MIN_LOGPROB
+
+
+def random_id(prefix: str) -> str:
+    """``cmpl-<hex>`` / ``chatcmpl-<hex>``: the id style of OpenAI responses."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class UsageInfo(BaseModel):
+    """Token counts of a request (all ``n`` completions together)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @model_validator(mode="after")
+    def _total(self) -> UsageInfo:  # derived, so it can never disagree
+        self.total_tokens = self.prompt_tokens + self.completion_tokens
+        return self
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)  # from the start of the generated text
+
+    @field_validator("token_logprobs", "top_logprobs")
+    @classmethod
+    def _clamp(cls, values: list[Any]) -> list[Any]:
+        return [
+            {k: _finite(x) for k, x in v.items()} if isinstance(v, dict) else _finite(v)
+            for v in values
+        ]
+
+
+class CompletionChoice(BaseModel):
+    """One completion; ``stop_reason`` (vLLM's extra) is the stop string or token id."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """``text_completion`` object; also the shape of each streamed completions chunk."""
+
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionStreamResponse(CompletionResponse):
+    """A streamed completions chunk: every chunk of a stream shares ``id`` and ``created``;
+    ``usage`` only on the last one (empty ``choices``) when ``include_usage`` was asked."""
+
+
+class TopLogprob(BaseModel):
+    """A candidate token with its logprob and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+    @field_validator("logprob")
+    @classmethod
+    def _clamp(cls, value: float) -> float:
+        return _finite(value)
+
+
+class ChatTokenLogprob(TopLogprob):
+    """A generated token, with the ``top_logprobs`` alternatives at its position."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """``choices[i].logprobs`` of a chat completion."""
+
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    """The assistant's answer."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    """One chat completion."""
+
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """``chat.completion`` object."""
+
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(BaseModel):
+    """What a chunk adds: ``role`` in the first chunk of a choice, then ``content`` pieces."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    """One choice's increment in a chunk; ``finish_reason`` set on its last one."""
+
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """``chat.completion.chunk``: chunks of one stream share ``id`` and ``created``; with
+    ``include_usage`` the last chunk has empty ``choices`` and ``usage``."""
+
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    """An entry of ``GET /v1/models``; ``max_model_len`` is vLLM's extra."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "corefleet"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    """``GET /v1/models``."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
