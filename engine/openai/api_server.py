@@ -2,9 +2,12 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health`` (the process works), ``GET /ready`` (503, retryable, while no rank serves or
-while shutting down), ``GET /metrics`` (Prometheus), ``GET /admin/engines`` (JSON per rank).
-With an API key, ``/v1/*`` and ``/admin/*`` answer 401 without ``Authorization: Bearer KEY``.
-Bad input is a 400 with an OpenAI error body naming the field; nothing invalid reaches a rank.
+while shutting down), ``GET /metrics`` (Prometheus), ``GET /admin/engines`` (JSON per rank),
+``GET /openapi.json`` (``openapi.py``). With API keys, ``/v1/*`` and ``/admin/*`` answer 401
+without ``Authorization: Bearer KEY``. Bad input is a 400 with an OpenAI error body naming the
+field; nothing invalid reaches a rank. Before a request costs anything it passes
+``admission``: its body's size (413), its ``n`` × prompts (``--max-n``), and its place among
+the completions in flight (429); tokenizing then runs in a worker thread.
 """
 
 from __future__ import annotations
