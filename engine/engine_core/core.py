@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from corefleet.engine.config import EngineConfig
 from corefleet.engine.core.scheduler import Scheduler
+from corefleet.engine.engine_core.startup import StartupClock
 from corefleet.engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -43,7 +44,13 @@ class UnknownUtilityError(RuntimeError):
 class EngineCore:
     """One data-parallel rank's engine: ``step()`` = schedule -> execute -> update."""
 
-    def __init__(self, config: EngineConfig, executor_class: ExecutorFactory | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor_class: ExecutorFactory | None = None,
+        clock: StartupClock | None = None,
+    ) -> None:
+        clock = clock or StartupClock()
         if executor_class is None:
             executor_class = resolve_executor_class(config.parallel.distributed_executor_backend)
         started = time.perf_counter()
@@ -56,8 +63,10 @@ class EngineCore:
         self.eos_token_id = arch.eos_token_ids[0] if arch.eos_token_ids else None
 
         self.executor: Executor = executor_class(config, self.model_path)
+        clock.phase("model (kernels and weights)")
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(self.num_blocks)
+        clock.phase("KV cache")
         block_size = config.cache.block_size
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.num_blocks, self.max_model_len, block_size

@@ -12,6 +12,7 @@ from corefleet.engine.engine_core.health import EngineState, HealthServer
 from corefleet.engine.engine_core.parent_watch import watch_parent
 from corefleet.engine.engine_core.proc import EngineCoreProc
 from corefleet.engine.engine_core.proc_config import EngineProcConfig
+from corefleet.engine.engine_core.startup import StartupClock
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ def run_engine_core(config: EngineConfig, proc_config: EngineProcConfig) -> int:
     aborts and exits 0 in any state. A fatal error is logged, sent to the client as
     ENGINE_CORE_DEAD, and exits 1.
     """
+    clock = StartupClock()  # first: the imports before this are its first phase
     engine: EngineCoreProc | None = None
 
     def on_parent_death() -> bool:
@@ -72,7 +74,7 @@ def run_engine_core(config: EngineConfig, proc_config: EngineProcConfig) -> int:
             return 2
     try:
         try:
-            engine = EngineCoreProc(config, proc_config, health)
+            engine = EngineCoreProc(config, proc_config, health, clock)
         except Exception:
             logger.exception("engine core rank %d failed to start", proc_config.rank)
             return 1

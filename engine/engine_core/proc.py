@@ -38,6 +38,7 @@ from corefleet.engine.engine_core.io_threads import (
     error_outputs,
 )
 from corefleet.engine.engine_core.proc_config import EngineProcConfig
+from corefleet.engine.engine_core.startup import StartupClock
 from corefleet.engine.messages import (
     ENGINE_CORE_DEAD,
     EngineCoreOutput,
@@ -78,7 +79,9 @@ class EngineCoreProc(EngineCore):
         config: EngineConfig,
         proc_config: EngineProcConfig,
         health: HealthServer | None = None,
+        clock: StartupClock | None = None,
     ) -> None:
+        clock = clock or StartupClock()
         self.proc_config = proc_config
         self.health = health
         self.rank = proc_config.rank
@@ -95,12 +98,15 @@ class EngineCoreProc(EngineCore):
         handshake, init = connect_handshake(
             self.ctx, proc_config.handshake_address, self._hello, proc_config.curve
         )
-        super().__init__(config)  # load the model, allocate the KV cache, warm up
+        clock.phase("handshake")
+        super().__init__(config, clock=clock)  # load the model, allocate the KV cache
         self.executor.register_failure_callback(self._on_executor_failure)
         self._waker = threading.Thread(target=self._forward_wakeups, name="corefleet-wake")
         self._waker.daemon = True
         self._waker.start()
         self._start_io(handshake, init)
+        clock.phase("ready")
+        clock.report(self.rank)
 
     def _start_io(self, handshake: zmq.Socket, init: Init) -> None:
         """Connect the socket threads to the addresses INIT gave, then say READY."""
