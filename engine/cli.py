@@ -11,8 +11,11 @@ from collections.abc import Sequence
 from corefleet.engine import envs
 from corefleet.engine.config import CacheConfig
 from corefleet.engine.engine_args import add_engine_args, engine_kwargs_from_args
+from corefleet.engine.entrypoints.rank_cpus import add_rank_cpu_args, plan_from_args
 from corefleet.engine.messages import SamplingParams
 from corefleet.engine.openai.limits import add_limit_args, limits_from_args
+
+logger = logging.getLogger(__name__)
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +115,7 @@ def _serve_parsers(sub: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--shutdown-mode", choices=["drain", "abort"], default="drain")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0)
+    add_rank_cpu_args(serve)
     _http_args(serve)
     add_engine_args(serve)
 
@@ -194,6 +198,13 @@ def _engine_core_parser(sub: argparse._SubParsersAction) -> None:
         help="read end of a pipe the parent holds open: abort and exit at its end of file, "
         "i.e. at once when the parent dies (local clients pass it)",
     )
+    core.add_argument(
+        "--cpu-set",
+        default=None,
+        metavar="CPUS",
+        help="run on these cores only (e.g. 0-1,4; within this process's affinity); the CPU "
+        "threads are then sized from them (serve passes each rank its own)",
+    )
     add_engine_args(core)
 
 
@@ -272,6 +283,16 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _engine_core(args: argparse.Namespace) -> int:
+    from corefleet.engine.worker.cpu_allowance import apply_cpu_set, parse_cpu_list, read_allowance
+
+    # First thing, before torch is imported: its thread pool sizes itself and its threads
+    # inherit the affinity when they start, so a later pin would leave them on other cores.
+    if args.cpu_set is not None:
+        apply_cpu_set(parse_cpu_list(args.cpu_set))
+    # Checked here too (the executor applies it) so a misfit fails before the model loads.
+    allowance = read_allowance(envs.cpu_threads(), envs.cpu_request_millicores())
+    logger.info("rank %d: %s", args.rank, allowance.describe())
+
     from corefleet.engine.engine_args import engine_config_from_args
     from corefleet.engine.engine_core.entry import run_engine_core
     from corefleet.engine.engine_core.proc_config import EngineProcConfig
@@ -335,7 +356,13 @@ def _serve(args: argparse.Namespace) -> int:
         max_migrations=args.max_migrations,
         shutdown_timeout_s=args.shutdown_timeout,
     )
-    ranks = LocalRanks(config, args.data_parallel_size, args.shutdown_mode, args.shutdown_timeout)
+    ranks = LocalRanks(
+        config,
+        args.data_parallel_size,
+        args.shutdown_mode,
+        args.shutdown_timeout,
+        rank_cpus=plan_from_args(args),
+    )
     return asyncio.run(run(options, ranks))
 
 

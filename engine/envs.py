@@ -20,9 +20,26 @@ def log_level() -> str:
     return os.environ.get("COREFLEET_LOG_LEVEL", "INFO").upper()
 
 
+CPU_THREADS = "COREFLEET_CPU_THREADS"  # also set by ``corefleet serve`` for ranks sharing cores
+
+
 def cpu_threads() -> int:
-    """COREFLEET_CPU_THREADS: torch intra-op threads on CPU (0 = torch's default)."""
-    return _int("COREFLEET_CPU_THREADS", 0)
+    """COREFLEET_CPU_THREADS: torch intra-op threads on CPU (0 = one per core of the process's
+    allowance, ``worker/cpu_allowance.py``); more than the allowance is refused at start."""
+    value = _int(CPU_THREADS, 0)
+    if value < 0:
+        raise ValueError(f"environment variable {CPU_THREADS}={value} must be >= 0")
+    return value
+
+
+def cpu_request_millicores() -> int:
+    """COREFLEET_CPU_REQUEST_MILLICORES: the pod's CPU request in millicores (the operator sets
+    it from the downward API, ``requests.cpu`` with divisor ``1m``; 0 or unset = no request).
+    Caps the CPU threads at the whole cores it promises."""
+    value = _int("COREFLEET_CPU_REQUEST_MILLICORES", 0)
+    if value < 0:
+        raise ValueError(f"environment variable COREFLEET_CPU_REQUEST_MILLICORES={value} is < 0")
+    return value
 
 
 def pod_ip() -> str | None:

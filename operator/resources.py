@@ -75,6 +75,15 @@ def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
 
+def _cpu_request_env() -> dict[str, Any]:
+    # The engine sizes its CPU threads from this (engine/worker/cpu_allowance.py): a pod without
+    # exclusive cores still sees every core of the node in its affinity. No request: 0.
+    return {
+        "name": "COREFLEET_CPU_REQUEST_MILLICORES",
+        "valueFrom": {"resourceFieldRef": {"resource": "requests.cpu", "divisor": "1m"}},
+    }
+
+
 def _pod_env() -> list[dict[str, Any]]:
     return [
         _field_env("POD_IP", "status.podIP"),
@@ -127,6 +136,7 @@ def engine_pod_template(name: str, spec: EngineSpec) -> dict[str, Any]:
         ],
         "env": [
             *_pod_env(),
+            _cpu_request_env(),
             _secret_env("COREFLEET_CURVE_SERVER_KEY", secret, "server-public"),
             _secret_env("COREFLEET_CURVE_PUBLIC_KEY", secret, "client-public"),
             _secret_env("COREFLEET_CURVE_SECRET_KEY", secret, "client-secret"),

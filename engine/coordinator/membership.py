@@ -1,10 +1,12 @@
 """Who is in the fleet: the coordinator's record of ranks, as a pure state machine.
 
-Membership is dynamic: ranks join at any time (HELLO → INIT → ReadyResponse →
-READY), leave (they drain, then their process exits), die (ENGINE_CORE_DEAD, or silence past
-the heartbeat timeout) and rejoin. A HELLO for a rank that is still registered replaces the old
-incarnation when the old one is evidently gone — declared dead already, or the same pod
-restarted (same pod name) — and is refused while another live process holds the rank.
+Membership is dynamic: ranks join at any time (HELLO → INIT → ReadyResponse → READY), leave
+(they drain, then their process exits), die (ENGINE_CORE_DEAD, a closed connection, a local
+child's exit, or silence past the heartbeat timeout) and rejoin. A HELLO for a rank that is
+still registered replaces the old incarnation when the old one is evidently gone — declared dead
+already, or the same pod restarted (same pod name) — and is refused while another live process
+holds the rank. Each accepted HELLO is a new incarnation; events about an older one (a late
+close of its connection, the exit of a replaced process) change nothing.
 
 No sockets here: :class:`~corefleet.engine.coordinator.server.FleetServer` feeds the events in,
 so every rule is unit-tested without processes.
@@ -167,6 +169,38 @@ class Membership:
         level = logging.INFO if clean else logging.WARNING
         logger.log(level, "rank %d (pod %s) is gone: %s", rank, member.pod_name, reason)
         return member
+
+    def on_disconnected(self, rank: int, incarnation: int, *, handshake: bool) -> RankMember | None:
+        """One of a rank's TCP connections closed: its process died (or the network dropped it).
+
+        Returns the rank if that made it dead. A connection of an older incarnation says nothing
+        about the current one; nor does the handshake connection closing after READY (ranks
+        close it then on purpose).
+        """
+        member = self.members.get(rank)
+        if member is None or member.incarnation != incarnation or member.state is RankState.DEAD:
+            return None
+        if handshake and member.ready_sent:
+            return None
+        if member.state is RankState.DRAINING:
+            # Leaving as planned: its "exiting" stats may still be unread on the output socket.
+            return self.declare_dead(rank, "left (drained, then closed its connection)", True)
+        if handshake:
+            reason = "its handshake connection closed while it was starting (process exited)"
+        else:
+            reason = "its connection closed (process exited, or the network dropped it)"
+        return self.declare_dead(rank, reason)
+
+    def on_process_exited(self, rank: int, pid: int, how: str) -> RankMember | None:
+        """A local rank's process ``pid`` ended (``how``: its exit code or signal).
+
+        Returns the rank if that made it dead; a process that never said HELLO, or that a newer
+        process already replaced, changes nothing.
+        """
+        member = self.members.get(rank)
+        if member is None or member.pid != pid:
+            return None
+        return self.declare_dead(rank, f"its process {how}")
 
     def expire(self, now: float) -> list[RankMember]:
         """Declare dead every serving rank silent for longer than the heartbeat timeout.

@@ -4,8 +4,11 @@
     input ROUTER     (port 5571, advertised in INIT)            requests out, ReadyResponse in
     output PULL      (port 5572, advertised in INIT)            outputs, stats, ENGINE_CORE_DEAD in
 
-Ranks only connect, so the coordinator needs no list of ranks: whoever says HELLO joins. Every
-message from a rank counts as a heartbeat; a rank silent past the timeout is declared dead.
+Ranks only connect, so the coordinator needs no list of ranks: whoever says HELLO joins. A rank
+is declared dead as soon as one of its connections to the two ROUTERs closes (a socket monitor,
+see ``connections.py``): a dead process's TCP connections close at once, also while it loads.
+Every message from a rank counts as a heartbeat, and a rank silent past the timeout is declared
+dead too: that catches what closes no connection (a hung process, a node that vanished).
 Callers get two callbacks: outputs (with the rank that sent them) and rank deaths.
 """
 
@@ -14,13 +17,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from corefleet.engine.coordinator.connections import ConnectionWatch, Peer
 from corefleet.engine.coordinator.membership import Membership, RankMember
 from corefleet.engine.messages import (
     ENGINE_CORE_DEAD,
@@ -55,7 +59,10 @@ class FleetServer:
         on_rank_dead: DeathCallback,
         curve: CurveKeys | None = None,
         heartbeat_timeout_s: float = 10.0,
+        watch_connections: bool = True,
     ) -> None:
+        """``watch_connections=False`` leaves death detection to the heartbeat alone (how it
+        was before; ``benchmarks/rank_death.py`` compares the two)."""
         self.ctx = zmq.asyncio.Context()
         self.authenticator = start_authenticator(self.ctx, curve) if curve else None
         handshake_port, input_port, output_port = ports
@@ -71,6 +78,11 @@ class FleetServer:
         self.inputs = bind(zmq.ROUTER, input_port)
         self.outputs = bind(zmq.PULL, output_port)
         self.inputs.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone rank must fail loudly
+        # A rank that handshakes again may connect its new input DEALER before the coordinator
+        # saw the old connection close (a half-open one lasts until ZMQ's heartbeat times out):
+        # the new connection must take the identity over, not be ignored. The old one's close
+        # then names an older incarnation, which membership disregards.
+        self.inputs.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.ports = tuple(_port(s) for s in (self.handshake, self.inputs, self.outputs))
         self.membership = Membership(
             input_address=f"tcp://{advertise_host}:{self.ports[1]}",
@@ -84,6 +96,12 @@ class FleetServer:
         self._ready_decoder = MsgpackDecoder(ReadyResponse)
         self._outputs_decoder = MsgpackDecoder(EngineCoreOutputs)
         self._tasks: list[asyncio.Task[None]] = []
+        self._watches: dict[zmq.asyncio.Socket, ConnectionWatch] = {}
+        if watch_connections:
+            self._watches = {
+                self.handshake: ConnectionWatch(self.handshake, "handshake"),
+                self.inputs: ConnectionWatch(self.inputs, "input"),
+            }
 
     async def start(self) -> None:
         """Start serving (in the running event loop)."""
@@ -96,10 +114,18 @@ class FleetServer:
         frames = [rank_identity(rank), kind.value, *self._encoder.encode(payload)]
         await self.inputs.send_multipart(frames, copy=False)
 
+    def process_exited(self, rank: int, pid: int, how: str) -> None:
+        """A local rank's process ended (``how``: its exit code or signal): dead at once."""
+        member = self.membership.on_process_exited(rank, pid, how)
+        if member is not None:
+            self.on_rank_dead(member)
+
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for watch in self._watches.values():
+            watch.close()
         for sock in (self.handshake, self.inputs, self.outputs):
             sock.close(linger=0)
         if self.authenticator is not None:
@@ -109,49 +135,88 @@ class FleetServer:
     # ---- loops -------------------------------------------------------------------------------
 
     async def _handshake_loop(self) -> None:
-        while True:
-            frames = await self.handshake.recv_multipart()
-            if len(frames) != 2:
-                logger.warning("dropped a handshake message of %d frames", len(frames))
-                continue
-            identity, payload = frames
-            try:
-                message = self._handshake_decoder.decode(payload)
-            except msgspec.MsgspecError as exc:
-                logger.warning("dropped an undecodable handshake message: %s", exc)
-                continue
-            rank = getattr(message, "rank", None)  # HELLO and READY carry the sender's rank
-            if not isinstance(rank, int) or identity != rank_identity(rank):
-                logger.warning("dropped a handshake message whose identity is not its rank")
-                continue
-            now = time.monotonic()
-            if isinstance(message, Hello):
-                previous = self.membership.members.get(message.rank)
-                reply = self.membership.on_hello(message, now)
-                if previous is not None and previous is not self.membership.members.get(
-                    message.rank
-                ):
-                    self.on_rank_dead(previous)  # its requests must move before the new one runs
-                await self.handshake.send_multipart([identity, msgspec.msgpack.encode(reply)])
-            elif isinstance(message, Ready):
-                self.membership.on_ready(message.rank, now)
-            else:
-                logger.warning("dropped an unexpected handshake message: %r", message)
+        await self._serve_router(self.handshake, self._on_handshake)
 
     async def _input_loop(self) -> None:
         """ReadyResponses: a rank's first message on its input DEALER."""
+        await self._serve_router(self.inputs, self._on_ready_response)
+
+    async def _serve_router(
+        self,
+        sock: zmq.asyncio.Socket,
+        on_message: Callable[[list[zmq.Frame]], Awaitable[None]],
+    ) -> None:
+        """Read a ROUTER's messages and the closes of its connections, in the order
+        ``ConnectionWatch`` needs: events, then every message, then judge the closes."""
+        watch = self._watches.get(sock)
+        reader: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)  # read by this task only
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if watch is not None:
+            poller.register(watch.monitor, zmq.POLLIN)
         while True:
-            frames = await self.inputs.recv_multipart(copy=False)
-            if len(frames) != 2:
-                logger.warning("dropped an input-socket message of %d frames", len(frames))
-                continue
-            rank = int.from_bytes(frames[0].bytes, "little")
-            try:
-                response = self._ready_decoder.decode(frames[1])
-            except _DECODE_ERRORS as exc:
-                logger.warning("dropped an undecodable ready response from rank %d: %s", rank, exc)
-                continue
-            self.membership.on_ready_response(rank, response, time.monotonic())
+            # ZMQ wakes pollers on edges, which other tasks' sends on the socket can swallow:
+            # look anyway every 100 ms, so nothing waits longer than that.
+            await poller.poll(timeout=100)
+            if watch is not None:
+                watch.read_events()
+            await _drain(reader, on_message)
+            for peer in watch.take_closed() if watch is not None else ():
+                self._connection_closed(peer, handshake=sock is self.handshake)
+
+    async def _on_handshake(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) != 2:
+            logger.warning("dropped a handshake message of %d frames", len(frames))
+            return
+        identity, payload = frames[0].bytes, frames[1].bytes
+        try:
+            message = self._handshake_decoder.decode(payload)
+        except msgspec.MsgspecError as exc:
+            logger.warning("dropped an undecodable handshake message: %s", exc)
+            return
+        rank = getattr(message, "rank", None)  # HELLO and READY carry the sender's rank
+        if not isinstance(rank, int) or identity != rank_identity(rank):
+            logger.warning("dropped a handshake message whose identity is not its rank")
+            return
+        now = time.monotonic()
+        if isinstance(message, Hello):
+            previous = self.membership.members.get(message.rank)
+            reply = self.membership.on_hello(message, now)
+            current = self.membership.members.get(message.rank)
+            if previous is not None and previous is not current:
+                self.on_rank_dead(previous)  # its requests must move before the new one runs
+            if current is not None and current is not previous:
+                self._claim(self.handshake, frames[1], current)
+            await self.handshake.send_multipart([identity, msgspec.msgpack.encode(reply)])
+        elif isinstance(message, Ready):
+            self.membership.on_ready(message.rank, now)
+        else:
+            logger.warning("dropped an unexpected handshake message: %r", message)
+
+    async def _on_ready_response(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) != 2:
+            logger.warning("dropped an input-socket message of %d frames", len(frames))
+            return
+        rank = int.from_bytes(frames[0].bytes, "little")
+        try:
+            response = self._ready_decoder.decode(frames[1])
+        except _DECODE_ERRORS as exc:
+            logger.warning("dropped an undecodable ready response from rank %d: %s", rank, exc)
+            return
+        self.membership.on_ready_response(rank, response, time.monotonic())
+        member = self.membership.members.get(rank)
+        if member is not None and member.info is response:
+            self._claim(self.inputs, frames[1], member)
+
+    def _claim(self, sock: zmq.asyncio.Socket, frame: zmq.Frame, member: RankMember) -> None:
+        watch = self._watches.get(sock)
+        if watch is not None:
+            watch.claim(frame, Peer(member.rank, member.incarnation))
+
+    def _connection_closed(self, peer: Peer, handshake: bool) -> None:
+        member = self.membership.on_disconnected(peer.rank, peer.incarnation, handshake=handshake)
+        if member is not None:
+            self.on_rank_dead(member)
 
     async def _output_loop(self) -> None:
         while True:
@@ -183,6 +248,18 @@ class FleetServer:
         member = self.membership.declare_dead(rank, reason, clean)
         if member is not None:
             self.on_rank_dead(member)
+
+
+async def _drain(
+    reader: zmq.Socket, on_message: Callable[[list[zmq.Frame]], Awaitable[None]]
+) -> None:
+    """Handle every message ``reader`` holds now."""
+    while True:
+        try:
+            frames = reader.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        await on_message(frames)
 
 
 def _port(sock: zmq.Socket) -> int:

@@ -88,13 +88,31 @@ async def run(options: CoordinatorOptions, local_ranks: LocalRanks | None = None
     config = uvicorn_config(
         build_app(state), options.host, options.port, options.limits, options.shutdown_timeout_s
     )
+    supervisor: asyncio.Task[None] | None = None
     try:
         if local_ranks is not None:
             local_ranks.start(fleet.server.ports[0])
+            supervisor = asyncio.create_task(_supervise(local_ranks, fleet, state))
         logger.info("serving %s on http://%s:%d", model_name, options.host, options.port)
         await ApiServer(config, state).serve()
     finally:
+        if supervisor is not None:
+            supervisor.cancel()  # no restarts while the ranks are being stopped
+            await asyncio.gather(supervisor, return_exceptions=True)
         if local_ranks is not None:
             await asyncio.to_thread(local_ranks.stop)
         await fleet.close()
     return 0
+
+
+async def _supervise(ranks: LocalRanks, fleet: FleetClient, state: ServerState) -> None:
+    """Local ranks that exit are dead for the fleet at once; they restart unless we stop."""
+
+    def on_exit(rank: int, pid: int, how: str) -> None:
+        fleet.server.process_exited(rank, pid, how)
+
+    def is_ready(rank: int, pid: int) -> bool:
+        member = fleet.membership.members.get(rank)
+        return member is not None and member.pid == pid and member.accepting
+
+    await ranks.supervise(on_exit, is_ready, restarting=lambda: not state.shutting_down)

@@ -6,6 +6,7 @@ a future, a failure callback) is what a multi-process tensor-parallel executor w
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from corefleet.engine import envs
 from corefleet.engine.config import EngineConfig
 from corefleet.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from corefleet.engine.models.loader import load_arch_config
+from corefleet.engine.worker.cpu_allowance import read_allowance
 from corefleet.engine.worker.model_runner import TORCH_DTYPES, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -76,13 +78,25 @@ def resolve_dtype(
     return torch.float32
 
 
+def _set_cpu_threads() -> None:
+    """Size torch's thread pool (which the C++ CPU ops' parallel loops use too) to this process's
+    CPU allowance, not the node: a thread per node core on a share of them stalls every parallel
+    region behind the threads that wait for a core."""
+    allowance = read_allowance(envs.cpu_threads(), envs.cpu_request_millicores())
+    torch.set_num_threads(allowance.threads)
+    # The engine runs no inter-op parallel work (no torch.jit.fork); one inter-op thread keeps a
+    # stray one from adding a second pool. torch allows setting it only once per process, before
+    # any such work: a second executor in the same process (offline tests) keeps the first value.
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+    logger.debug("CPU threads: %s", allowance.describe())
+
+
 class UniProcExecutor:
     """The model runner on a single background thread."""
 
     def __init__(self, config: EngineConfig, model_path: str) -> None:
-        threads = envs.cpu_threads()
-        if threads > 0:
-            torch.set_num_threads(threads)
+        _set_cpu_threads()
         torch.manual_seed(config.model.seed)
         arch = load_arch_config(model_path)
         device = resolve_device(config.device.device)

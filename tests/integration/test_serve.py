@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -118,17 +119,36 @@ def test_bad_requests_are_400s_naming_the_field(client: openai.OpenAI, server: s
     assert client.completions.create(model="m", prompt="x", max_tokens=2).choices[0].text
 
 
+def _engines_until(server: str, done: Any, what: str) -> list[dict[str, Any]]:
+    """``/admin/engines`` polled until ``done(engines)``; every wait has a timeout."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    deadline = time.monotonic() + 60
+    while True:
+        engines: list[dict[str, Any]] = httpx.get(
+            f"{server}/admin/engines", headers=headers, timeout=30
+        ).json()
+        if done(engines):
+            return engines
+        assert time.monotonic() < deadline, f"{what}: {engines}"
+        time.sleep(0.1)
+
+
 def test_models_metrics_and_admin(client: openai.OpenAI, server: str) -> None:
     assert [m.id for m in client.models.list()] == ["m"]
+    # /ready needs one rank; under load the second may still be loading.
+    engines = _engines_until(
+        server,
+        lambda es: len(es) == 2 and all(e["state"] == "ready" for e in es),
+        "both ranks never ready",
+    )
+    assert sorted(e["rank"] for e in engines) == [0, 1]
     for i in range(6):
         client.completions.create(model="m", prompt=f"load {i}", max_tokens=4)
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    engines = httpx.get(f"{server}/admin/engines", headers=headers).json()
-    assert sorted(e["rank"] for e in engines) == [0, 1]
-    assert all(e["state"] == "ready" for e in engines)
-    time.sleep(0.7)  # one stats interval
-    engines = httpx.get(f"{server}/admin/engines", headers=headers).json()
-    assert all(e["stats"]["steps"] > 0 for e in engines), "requests were not spread"
+    _engines_until(
+        server,
+        lambda es: all(e["stats"] and e["stats"]["steps"] > 0 for e in es),
+        "requests were not spread",
+    )
     metrics = httpx.get(f"{server}/metrics").text
     for name in (
         "vllm:num_requests_running",
