@@ -2,8 +2,10 @@
 
 What a kubelet resolves before it starts a container, following Kubernetes' rules:
 - env: literal values, the downward API (`fieldRef`: metadata.name/namespace/uid/labels,
-  spec.nodeName, status.podIP/hostIP), `secretKeyRef` and `configMapKeyRef` (missing and not
-  `optional` → the container cannot be created, with the real reason);
+  spec.nodeName, status.podIP/hostIP; `resourceFieldRef`: a container's requests and limits of
+  cpu and memory over a divisor, rounded up, as the kubelet writes them), `secretKeyRef` and
+  `configMapKeyRef` (missing and not `optional` → the container cannot be created, with the
+  real reason);
 - `$(VAR)` in env values, command and args expands to an earlier-defined variable, `$$` escapes,
   an unknown name stays as written;
 - volumes: `emptyDir` and `secret`/`configMap` become folders of the pod, `hostPath` the node's
@@ -18,10 +20,12 @@ from __future__ import annotations
 import base64
 import dataclasses
 import fnmatch
+import math
 import os
 import pathlib
 import re
 from collections.abc import Awaitable, Callable, Mapping
+from fractions import Fraction
 from typing import Any
 
 from netns import Mount
@@ -119,6 +123,57 @@ def _field(pod: Pod, path: str, pod_ip: str, host_ip: str) -> str:
     raise ContainerConfigError("CreateContainerConfigError", f"unsupported fieldPath {path!r}")
 
 
+_QUANTITY = re.compile(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+_SUFFIX = {
+    None: Fraction(1),
+    "m": Fraction(1, 1000),
+    **{s: Fraction(1000**i) for i, s in enumerate(("k", "M", "G", "T", "P", "E"), 1)},
+    **{s: Fraction(1024**i) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"), 1)},
+}
+
+
+def parse_quantity(text: str) -> Fraction:
+    """A Kubernetes resource quantity (``500m``, ``2``, ``1.5``, ``4Gi``) as an exact number."""
+    match = _QUANTITY.match(str(text).strip())
+    if match is None:
+        raise ValueError(f"quantities must match the regular expression {_QUANTITY.pattern!r}")
+    return Fraction(match.group(1)) * _SUFFIX[match.group(2)]
+
+
+def _resource_field(pod: Pod, container: Mapping[str, Any], ref: Mapping[str, Any]) -> str:
+    """The kubelet's value of a ``resourceFieldRef``: the quantity over the divisor, rounded up
+    (cpu to millicores first, as ``convertResourceCPUToString`` does). An unset request is 0
+    (the API server copies limits into unset requests; done here too); an unset limit is the
+    node's allocatable (its cores here; memory is not supported)."""
+    name = ref.get("containerName") or container.get("name")
+    target = next(
+        (c for c in (pod.get("spec") or {}).get("containers", []) if c.get("name") == name), None
+    )
+    if target is None:
+        raise ContainerConfigError("CreateContainerConfigError", f"no container {name!r}")
+    resource = str(ref.get("resource", ""))
+    kind, _, what = resource.partition(".")
+    if kind not in ("requests", "limits") or what not in ("cpu", "memory"):
+        raise ContainerConfigError(
+            "CreateContainerConfigError", f"unsupported resourceFieldRef {resource!r}"
+        )
+    resources = target.get("resources") or {}
+    raw = (resources.get(kind) or {}).get(what)
+    if raw is None and kind == "requests":
+        raw = (resources.get("limits") or {}).get(what)
+    if raw is None and kind == "limits":
+        if what != "cpu":
+            raise ContainerConfigError(
+                "CreateContainerConfigError", "an unset memory limit is not emulated"
+            )
+        raw = str(os.cpu_count() or 1)
+    quantity = parse_quantity(raw) if raw is not None else Fraction(0)
+    divisor = parse_quantity(ref.get("divisor") or "1")
+    if what == "cpu":  # millicores, rounded up, then divided and rounded up again
+        quantity = Fraction(math.ceil(quantity * 1000), 1000)
+    return str(math.ceil(quantity / divisor))
+
+
 async def _key_ref(ref: Mapping[str, Any], plural: str, ns: str, fetch: Fetch) -> str | None:
     obj = await fetch(plural, ns, ref.get("name", ""))
     kind = "secret" if plural == "secrets" else "configmap"
@@ -160,6 +215,8 @@ async def resolve_env(
         value: str | None
         if "fieldRef" in source:
             value = _field(pod, source["fieldRef"]["fieldPath"], pod_ip, host_ip)
+        elif "resourceFieldRef" in source:
+            value = _resource_field(pod, container, source["resourceFieldRef"])
         elif "secretKeyRef" in source:
             value = await _key_ref(source["secretKeyRef"], "secrets", ns, fetch)
         elif "configMapKeyRef" in source:
