@@ -24,18 +24,9 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.hostile_requests import ABSURD, BODY_LIMIT
-from tests.serve_support import running_serve
+from tests.serve_support import serve_process
 
 KEY = "bench-key"
-
-
-def _serve_process(base: str) -> psutil.Process:
-    port = base.rsplit(":", 1)[1]
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info["cmdline"] or []
-        if "serve" in cmdline and port in cmdline:
-            return proc
-    raise RuntimeError(f"no corefleet serve on port {port}")
 
 
 def main() -> int:
@@ -47,8 +38,8 @@ def main() -> int:
     flags += ("--max-model-len", "2048")
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     rows = []
-    with running_serve(*flags, timeout=300) as base, httpx.Client(timeout=120) as client:
-        proc = _serve_process(base)
+    with serve_process(*flags, timeout=300) as (serve, base), httpx.Client(timeout=120) as client:
+        proc = psutil.Process(serve.pid)
         rss_before = proc.memory_info().rss
         for path, body, expected, param in ABSURD:
             content = json.dumps(body).encode()

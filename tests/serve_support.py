@@ -22,6 +22,15 @@ def free_port() -> int:
 @contextlib.contextmanager
 def running_serve(*flags: str, timeout: float = 120.0) -> Iterator[str]:
     """Yield the base URL of a ready ``corefleet serve``; on leaving, SIGTERM must exit 0."""
+    with serve_process(*flags, timeout=timeout) as (_, base):
+        yield base
+
+
+@contextlib.contextmanager
+def serve_process(
+    *flags: str, timeout: float = 120.0
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """:func:`running_serve` that also yields the coordinator's process (its pid, its RSS)."""
     port = free_port()
     argv = [
         sys.executable,
@@ -39,7 +48,7 @@ def running_serve(*flags: str, timeout: float = 120.0) -> Iterator[str]:
                     break
             assert time.monotonic() < deadline, f"corefleet serve not ready in {timeout} s"
             time.sleep(0.2)
-        yield base
+        yield proc, base
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, "corefleet serve did not exit cleanly on SIGTERM"
     finally:

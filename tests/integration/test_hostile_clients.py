@@ -20,7 +20,7 @@ import pytest
 
 from tests.fixtures_models import write_tiny_llama
 from tests.hostile_requests import ABSURD, BODY_LIMIT, CHAT, MSG, C
-from tests.serve_support import running_serve
+from tests.serve_support import serve_process
 
 pytestmark = pytest.mark.slow
 
@@ -35,26 +35,21 @@ WAIT_S = 60.0  # a generous bound on every wait: the CI machine may be loaded
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[psutil.Process, str]]:
     model = write_tiny_llama(tmp_path_factory.mktemp("tiny") / "m")
-    with running_serve("--model", str(model), *FLAGS) as base:
-        yield base
+    with serve_process("--model", str(model), *FLAGS) as (proc, base):
+        yield psutil.Process(proc.pid), base
+
+
+@pytest.fixture(scope="module")
+def server(serve: tuple[psutil.Process, str]) -> str:
+    return serve[1]
 
 
 def post(base: str, path: str, body: Any, key: str = KEYS[0], **kw: Any) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     return httpx.post(f"{base}{path}", content=content, headers=headers, timeout=WAIT_S, **kw)
-
-
-def coordinator(base: str) -> psutil.Process:
-    """The ``corefleet serve`` process listening on ``base``'s port."""
-    port = base.rsplit(":", 1)[1]
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info["cmdline"] or []
-        if "serve" in cmdline and port in cmdline:
-            return proc
-    raise AssertionError(f"no corefleet serve process on port {port}")
 
 
 def _send_absurd(base: str) -> None:
@@ -66,8 +61,10 @@ def _send_absurd(base: str) -> None:
         assert error["param"] == param, f"{summary}: {error}"
 
 
-def test_every_absurd_size_gets_a_4xx_and_costs_no_memory(server: str) -> None:
-    proc = coordinator(server)
+def test_every_absurd_size_gets_a_4xx_and_costs_no_memory(
+    serve: tuple[psutil.Process, str],
+) -> None:
+    proc, server = serve
     assert post(server, C, {"prompt": "Hi", "max_tokens": 2}).status_code == 200
     _send_absurd(server)  # warm-up: the allocator settles
     settled = proc.memory_info().rss

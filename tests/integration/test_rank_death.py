@@ -7,9 +7,11 @@ death noticed within them was noticed through the closed connection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -70,11 +72,17 @@ class _ProtocolRank:
         self.handshake.close()  # as a real rank does after READY
 
 
-def _server(deaths: list[RankMember]) -> FleetServer:
+@contextlib.asynccontextmanager
+async def _server(
+    deaths: list[RankMember],
+) -> AsyncIterator[tuple[FleetServer, zmq.asyncio.Context]]:
+    """A started FleetServer recording deaths, and a context for protocol ranks; both closed
+    on leaving."""
+
     def on_outputs(rank: int, outputs: EngineCoreOutputs) -> None:
         pass
 
-    return FleetServer(
+    server = FleetServer(
         "127.0.0.1",
         "127.0.0.1",
         (0, 0, 0),
@@ -82,15 +90,19 @@ def _server(deaths: list[RankMember]) -> FleetServer:
         on_rank_dead=deaths.append,
         heartbeat_timeout_s=HEARTBEAT_S,
     )
+    await server.start()
+    ctx = zmq.asyncio.Context()
+    try:
+        yield server, ctx
+    finally:
+        await server.close()
+        ctx.destroy(linger=0)
 
 
 def test_an_old_connection_closing_spares_a_rank_that_handshook_again() -> None:
     async def scenario() -> None:
         deaths: list[RankMember] = []
-        server = _server(deaths)
-        await server.start()
-        ctx = zmq.asyncio.Context()
-        try:
+        async with _server(deaths) as (server, ctx):
             first = _ProtocolRank(ctx, server.ports[0], 0)
             await first.hello()
             await first.ready()
@@ -123,9 +135,6 @@ def test_an_old_connection_closing_spares_a_rank_that_handshook_again() -> None:
             await until(lambda: new.state is RankState.DEAD, WAIT_S, "the new incarnation dead")
             assert "connection closed" in new.dead_reason
             assert deaths[-1] is new
-        finally:
-            await server.close()
-            ctx.destroy(linger=0)
 
     asyncio.run(scenario())
 
@@ -133,10 +142,7 @@ def test_an_old_connection_closing_spares_a_rank_that_handshook_again() -> None:
 def test_a_rank_that_dies_while_starting_is_dead() -> None:
     async def scenario() -> None:
         deaths: list[RankMember] = []
-        server = _server(deaths)
-        await server.start()
-        ctx = zmq.asyncio.Context()
-        try:
+        async with _server(deaths) as (server, ctx):
             loading = _ProtocolRank(ctx, server.ports[0], 2)
             await loading.hello()
             member = server.membership.members[2]
@@ -145,9 +151,6 @@ def test_a_rank_that_dies_while_starting_is_dead() -> None:
             await until(lambda: member.state is RankState.DEAD, WAIT_S, "the loading rank dead")
             assert "while it was starting" in member.dead_reason
             assert deaths == [member]
-        finally:
-            await server.close()
-            ctx.destroy(linger=0)
 
     asyncio.run(scenario())
 
