@@ -49,17 +49,37 @@ FROM ${UV_IMAGE} AS uv
 
 
 # ---------------------------------------------------------------------------------------------
-# builder: the corefleet wheel, built once. Only the files the wheel needs are copied, so the
-# final images hold the installed package and never the source tree.
+# builder: the corefleet wheel, built once, with the C++ CPU ops compiled into it (setup.py: one
+# library per instruction-set variant; the engine loads the best one its CPU supports). They
+# link against torch, so the builder installs the very torch the engine ships (same version,
+# same index) and builds without pip's build isolation, which would fetch torch again from PyPI.
+# g++ and ninja stay in this stage: no final image compiles anything. Only the files the wheel
+# needs are copied, so the final images hold the installed package and never the source tree.
 FROM ${PYTHON_IMAGE} AS builder
+ARG TORCH_VERSION
+ARG TORCH_INDEX_URL
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1
+# DL3008: g++ compiles the C++ CPU ops. Not version-pinned for the same reason as in the
+# flash-attn stage: exact Debian versions are withdrawn on security updates; the pinned base
+# image fixes the release.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+# The build requirements of pyproject.toml's [build-system], torch from the engine's index.
+RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
+    && pip install --no-cache-dir ninja==1.13.2 setuptools==80.9.0 wheel==0.45.1
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY engine/ engine/
 COPY kernels/ kernels/
 COPY operator/ operator/
 # Next to the wheel, one requirements file per extra (`/wheels/corefleet-0.1.0-...whl[operator]`),
-# so the final stages install the wheel with its extra without repeating the version.
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
+# so the final stages install the wheel with its extra without repeating the version. A variant
+# that fails to compile fails the build; the check after it makes sure the libraries are in.
+RUN pip wheel --no-cache-dir --no-deps --no-build-isolation --wheel-dir /wheels . \
+    && python -c "import glob, sys, zipfile; (w,) = glob.glob('/wheels/corefleet-*.whl'); \
+sys.exit(not [n for n in zipfile.ZipFile(w).namelist() if '/kernels/cpu/_ops_' in n])" \
     && for extra in operator engine; do \
         printf '%s[%s]\n' /wheels/corefleet-*.whl "${extra}" > "/wheels/${extra}.txt"; \
     done
@@ -125,7 +145,8 @@ RUN MAX_JOBS="${MAX_JOBS}" FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS}" \
 # ---------------------------------------------------------------------------------------------
 # engine: CUDA base + CPython 3.11 + torch (CUDA build) + flash-attn + corefleet[engine] + the
 # embedded SmolLM2-135M model. The same image also runs on CPU nodes (examples/smollm2-cpu.yaml):
-# CUDA torch falls back to the CPU, and the C++ CPU kernels compile at first use.
+# CUDA torch falls back to the CPU, and the engine loads the C++ CPU ops prebuilt in the wheel
+# (the variant the node's CPU supports best). No compiler in this image: nothing is built here.
 FROM ${CUDA_IMAGE} AS engine
 ARG PYTHON_VERSION
 ARG TORCH_VERSION
@@ -134,14 +155,6 @@ ENV UV_PYTHON_INSTALL_DIR=/opt/python \
     UV_NO_CACHE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1
-# DL3008: g++ (with libgomp) is needed at run time: kernels/cpu/csrc is compiled by torch's
-# cpp_extension with -fopenmp on first use of the CPU path. Not version-pinned for the same
-# reason as in the flash-attn stage: exact Ubuntu versions disappear on security updates; the
-# pinned base image fixes the release.
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends g++ \
-    && rm -rf /var/lib/apt/lists/*
 RUN --mount=type=bind,from=uv,source=/uv,target=/usr/local/bin/uv \
     uv python install "${PYTHON_VERSION}" \
     && "$(uv python find "${PYTHON_VERSION}")" -m venv /opt/venv
@@ -167,9 +180,10 @@ RUN --mount=type=bind,source=requirements-smollm2.txt,target=/tmp/requirements-s
     && mkdir -p /opt/corefleet/models \
     && ln -s "$(python -c 'from corefleet.engine.models.default_model import default_model_path as p; print(p())')" \
         /opt/corefleet/models/SmolLM2-135M-Instruct.Q4_1.gguf
-# The non-root user and the one writable directory the engine needs: torch compiles the CPU
-# kernels into TORCH_EXTENSIONS_DIR on first use (and Triton caches its kernels there too).
-# With a read-only root filesystem, mount an emptyDir at /var/cache/corefleet.
+# The non-root user and the one writable directory the engine needs: Triton caches the kernels
+# it compiles on a GPU there (XDG_CACHE_HOME catches any other library's cache). The C++ CPU ops
+# need none: they come prebuilt. With a read-only root filesystem, mount an emptyDir at
+# /var/cache/corefleet.
 RUN groupadd --gid 10001 corefleet \
     && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/corefleet \
         --shell /usr/sbin/nologin corefleet \
@@ -177,7 +191,6 @@ RUN groupadd --gid 10001 corefleet \
     && chown 10001:10001 /var/cache/corefleet
 ENV HOME=/home/corefleet \
     XDG_CACHE_HOME=/var/cache/corefleet \
-    TORCH_EXTENSIONS_DIR=/var/cache/corefleet/torch_extensions \
     TRITON_CACHE_DIR=/var/cache/corefleet/triton \
     PYTHONDONTWRITEBYTECODE=1
 USER 10001:10001

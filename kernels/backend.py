@@ -127,7 +127,7 @@ def select_kernel_backend(
     auto on CUDA: flash-attn if importable and it fits ``dtype`` and ``block_size`` (see
     ``flash_attn.flash_attn_unfit_reason``), else Triton if importable, else the torch
     reference. auto on the CPU: the C++ ops ("cpu"), falling back to the torch reference (with
-    a warning) when they cannot be built here.
+    a warning) when no prebuilt build of them loads here.
 
     Raises:
         ValueError: an explicit choice that cannot run here, with the reason and what to use.
@@ -188,15 +188,15 @@ def _check_triton(device: torch.device) -> None:
 
 
 def _cpu_backend_or_reference() -> KernelBackend:
-    # Building the C++ ops needs ninja and a compiler; a machine without them still runs, on
-    # the slower but dependency-free reference.
+    # The C++ ops come prebuilt with the package; a tree without a build (or a CPU no variant
+    # fits) still runs, on the slower but dependency-free reference.
     try:
         from corefleet.kernels.cpu import backend as cpu_backend
 
         return cpu_backend.CpuBackend()
-    except Exception as exc:  # any build or load failure: fall back rather than not start
+    except Exception as exc:  # any load failure: fall back rather than not start
         logger.warning(
-            "C++ CPU ops unavailable (%s: %s); using the torch reference backend",
+            "C++ CPU ops unavailable (%s: %s); using the torch reference backend (slower)",
             type(exc).__name__,
             exc,
         )

@@ -1,22 +1,17 @@
-"""Load the C++ CPU ops for a test module, skipping only where no C++ toolchain exists.
+"""Load the C++ CPU ops for a test module.
 
-A machine with a compiler must build them: a compile error there fails the tests instead of
-skipping them (the engine would silently fall back to the torch reference otherwise).
+They are built with the package (``make setup``), so a test run without them is a broken setup
+and fails, naming the cause, rather than skipping: the engine would silently fall back to the
+torch reference otherwise.
 """
 
 from __future__ import annotations
 
-import shutil
-
-import pytest
 import torch
 
 
 def load_cpu_ops_or_skip() -> torch._ops._OpNamespace:
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip(
-            "no C++ compiler here: the C++ CPU ops cannot be built", allow_module_level=True
-        )
-    from corefleet.kernels.cpu.build import load_cpu_ops
+    """The ``torch.ops.corefleet_cpu`` namespace (the name is historical: it never skips)."""
+    from corefleet.kernels.cpu.loader import load_cpu_ops
 
     return load_cpu_ops()

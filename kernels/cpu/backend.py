@@ -2,9 +2,9 @@
 
 ``CpuBackend`` overrides the ``KernelBackend`` methods it accelerates and hands every input its
 ops do not take (another dtype, a head size the AVX-512 path cannot tile, non-contiguous
-tensors) back to the torch implementations. The ops live in ``csrc/`` and are compiled together
-at first use (``build.load_cpu_ops``); why each one beats torch, with the measurements, is in
-``docs/kernels.md``.
+tensors) back to the torch implementations. The ops live in ``csrc/``, are built with the package
+(one library per instruction-set variant) and loaded by ``loader.load_cpu_ops``; why each one
+beats torch, with the measurements, is in ``docs/kernels.md``.
 
 Attention reads K/V in place from the paged cache: the C++ op walks each row's block table and
 reads only the positions below the row's context length, where the torch path gathers every
@@ -19,7 +19,7 @@ import dataclasses
 import torch
 
 from corefleet.kernels.backend import KernelBackend
-from corefleet.kernels.cpu.build import load_cpu_ops
+from corefleet.kernels.cpu.loader import load_cpu_ops
 from corefleet.kernels.metadata import AttentionMetadata
 
 
@@ -34,8 +34,8 @@ def paged_attention(
     """``torch.ops.corefleet_cpu.paged_attention``: row ``b``'s one query token attends to the
     first ``context_lens[b]`` positions of its blocks (a prefill chunk is one row per token).
 
-    Raises whatever the build raises (no ninja, no compiler, compile error), and RuntimeError
-    for arguments the op does not take.
+    Raises what loading the ops raises (``loader.CpuOpsUnavailable``: no build fits), and
+    RuntimeError for arguments the op does not take.
     """
     out: torch.Tensor = load_cpu_ops().paged_attention(
         query, k_cache, v_cache, block_table, context_lens, scale
@@ -57,8 +57,8 @@ class CpuBackend(KernelBackend):
     name = "cpu"
 
     def __init__(self) -> None:
-        # Compile now, so a broken toolchain surfaces at start-up (where the selector can
-        # fall back) rather than in the first forward pass.
+        # Load now, so a missing or unloadable build surfaces at start-up (where the selector
+        # can fall back) rather than in the first forward pass.
         self._ops = load_cpu_ops()
 
     def linear(

@@ -2,8 +2,9 @@
 
 hadolint (the real binary from the test extra) lints the file; the rest reads the text the way a
 reviewer would: the stages exist, base images are pinned through ARGs, both final images run as a
-numeric non-root user, the operator image stays free of torch, and the embedded model is only
-ever installed with --no-deps.
+numeric non-root user, the operator image stays free of torch, the C++ CPU ops are compiled in
+the builder against the engine's torch and the engine image has no compiler, and the embedded
+model is only ever installed with --no-deps.
 """
 
 from __future__ import annotations
@@ -274,6 +275,34 @@ def test_builder_writes_one_requirements_file_per_extra(stages: dict[str, Stage]
     assert "[%s]" in body and '"/wheels/${extra}.txt"' in body
 
 
+def test_builder_compiles_the_cpu_ops_against_the_engines_torch(stages: dict[str, Stage]):
+    builder = stages["builder"]
+    copied = " ".join(i.args for i in builder.of("COPY")).split()
+    assert "setup.py" in copied and "kernels/" in copied
+    installs = " ".join(pip_installs(builder))
+    # The torch the engine stage installs (same index, same pin), and the other build
+    # requirements of pyproject.toml's [build-system]; then no build isolation, which would
+    # resolve torch again from PyPI.
+    assert '--index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"' in installs
+    assert "ninja==" in installs and "setuptools==" in installs
+    wheel = next(c for c in commands(builder) if "pip wheel" in c)
+    assert "--no-build-isolation" in shlex.split(wheel)
+    assert "/kernels/cpu/_ops_" in " ".join(commands(builder)), "no check that the ops are in"
+    assert "g++" in " ".join(commands(builder))
+    args = {i.args.split("=")[0] for i in builder.of("ARG")}
+    assert {"TORCH_VERSION", "TORCH_INDEX_URL"} <= args
+
+
+def test_engine_image_has_no_compiler(stages: dict[str, Stage]):
+    # The C++ CPU ops come prebuilt in the wheel: nothing is compiled where the engine runs.
+    for command in commands(stages["engine"]):
+        if re.search(r"\b(apt-get|apt|apk|dnf|yum)\b.*\binstall\b", command):
+            words = set(shlex.split(command))
+            assert not words & {"g++", "gcc", "clang", "build-essential", "ninja-build"}, command
+    for install in pip_installs(stages["engine"]):
+        assert "ninja" not in install, install
+
+
 def test_embedded_model_only_with_no_deps(parsed: tuple[dict[str, str | None], list[Stage]]):
     _, all_stages = parsed
     for stage in all_stages:
@@ -300,9 +329,10 @@ def test_engine_installs_the_cuda_torch_of_the_pyproject_pin(
     parsed: tuple[dict[str, str | None], list[Stage]], stages: dict[str, Stage]
 ):
     global_args, _ = parsed
-    # The one `torch==` pin in pyproject.toml is the engine extra's (the base install has none).
+    # pyproject.toml pins torch twice, to one version: the engine extra's (the base install has
+    # none) and [build-system]'s, the torch the C++ CPU ops are compiled against.
     pins = re.findall(r'"torch==([^"]+)"', (REPO / "pyproject.toml").read_text())
-    assert len(pins) == 1, pins
+    assert len(pins) == 2 and len(set(pins)) == 1, pins
     assert global_args["TORCH_VERSION"] == pins[0].strip()
     assert "download.pytorch.org/whl/cu" in (global_args["TORCH_INDEX_URL"] or "")
     installs = " ".join(pip_installs(stages["engine"]))
@@ -317,7 +347,9 @@ def test_engine_entrypoint_ports_and_caches(stages: dict[str, Stage]):
     ports = {p for inst in engine.of("EXPOSE") for p in inst.args.split()}
     assert {"8001", "8000", "5570", "5571", "5572"} <= ports
     env = " ".join(i.args for i in engine.of("ENV"))
-    assert "TORCH_EXTENSIONS_DIR=" in env and "PYTHONDONTWRITEBYTECODE=1" in env
+    assert "TRITON_CACHE_DIR=" in env and "PYTHONDONTWRITEBYTECODE=1" in env
+    # Nothing is compiled into torch's extension cache any more: the CPU ops are prebuilt.
+    assert "TORCH_EXTENSIONS_DIR" not in env
 
 
 def test_operator_entrypoint_and_read_only_root(stages: dict[str, Stage]):
@@ -332,7 +364,9 @@ def test_operator_entrypoint_and_read_only_root(stages: dict[str, Stage]):
 
 def test_dockerignore_excludes_local_state():
     patterns = dockerignore_patterns()
-    for path in (".venv", ".git", ".venv/bin/python", ".mypy_cache", "engine/__pycache__"):
+    local = (".venv", ".git", ".venv/bin/python", ".mypy_cache", "engine/__pycache__", "build")
+    # An in-place build of the C++ CPU ops (editable install): the builder compiles its own.
+    for path in (*local, "kernels/cpu/_ops_avx2_0123456789.so"):
         assert ignored_by_dockerignore(path, patterns), f"{path} would be sent to the builder"
 
 
