@@ -289,9 +289,10 @@ def _engine_core(args: argparse.Namespace) -> int:
     # inherit the affinity when they start, so a later pin would leave them on other cores.
     if args.cpu_set is not None:
         apply_cpu_set(parse_cpu_list(args.cpu_set))
+    wait_policy = envs.openmp_wait_passive()  # also before torch: libgomp reads it at load
     # Checked here too (the executor applies it) so a misfit fails before the model loads.
     allowance = read_allowance(envs.cpu_threads(), envs.cpu_request_millicores())
-    logger.info("rank %d: %s", args.rank, allowance.describe())
+    logger.info("rank %d: %s; OpenMP wait policy %s", args.rank, allowance.describe(), wait_policy)
 
     from corefleet.engine.engine_args import engine_config_from_args
     from corefleet.engine.engine_core.entry import run_engine_core

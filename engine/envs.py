@@ -1,4 +1,8 @@
-"""Every environment variable corefleet reads, in one place, read when asked for."""
+"""Every environment variable the engine reads, in one place, read when asked for.
+
+The kernels, which never import the engine, read theirs in ``kernels/envs.py``
+(``COREFLEET_CPU_OPS``: which build of the C++ CPU ops to load).
+"""
 
 from __future__ import annotations
 
@@ -30,6 +34,19 @@ def cpu_threads() -> int:
     if value < 0:
         raise ValueError(f"environment variable {CPU_THREADS}={value} must be >= 0")
     return value
+
+
+def openmp_wait_passive() -> str:
+    """OMP_WAIT_POLICY: set to PASSIVE in a rank unless the user chose a policy; returns the
+    policy in force. Must run before torch is imported (libgomp reads it once, at load).
+
+    Why: an idle OpenMP thread otherwise spins for a long while after every parallel region of
+    torch's. Alone on its cores that costs nothing, but on a shared node the spinning is taken
+    from the engine's own CPU share (the kernel weighs a process's threads together) and from
+    the neighbour's. The C++ ops have their own pool with a short spin (kernels/cpu/csrc/
+    parallel.h), so only torch's own regions (large GEMMs, sampling) pay a futex wake-up.
+    """
+    return os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def cpu_request_millicores() -> int:

@@ -127,7 +127,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ArchConfig, backend: KernelBackend, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # An explicit weight skips nn.Embedding's random init, whose call imports torch._dynamo
+        # (~1.6 s of every rank's start-up); the loader fills the weight anyway.
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)
         )

@@ -10,12 +10,12 @@
 // Semantics are torch.argmax's: the first index of the maximum; a row holding NaN gives the
 // index of its first NaN (NaN compares greater than everything there).
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "parallel.h"
 #include "scalar.h"
 #include "vec_avx512.h"
 
@@ -103,7 +103,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   int64_t* ids = out.data_ptr<int64_t>();
   const int64_t stride = logits.stride(0);
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       if (logits.scalar_type() == at::kFloat) {
         ids[r] = argmax_row(logits.data_ptr<float>() + r * stride, n);

@@ -10,7 +10,6 @@
 //   silu_and_mul: silu(gate) * up, rounded once
 // float32 results differ from the reference only in summation order (the norm's mean).
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -18,6 +17,7 @@
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
+#include "parallel.h"
 #include "scalar.h"
 #include "vec_avx512.h"
 
@@ -45,7 +45,7 @@ void rms_norm_kernel(
   T* o = out.data_ptr<T>();
   T* ro = residual_out.data_ptr<T>();
   const float feps = static_cast<float>(eps);
-  at::parallel_for(0, rows, row_grain(hidden), [&](int64_t r0, int64_t r1) {
+  parallel_for(0, rows, row_grain(hidden), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = xs + r * hidden;
       T* ror = ro + r * hidden;
@@ -143,7 +143,7 @@ void rotary_kernel(at::Tensor& query, at::Tensor& key, const at::Tensor& cos,
   const T* c = cos.data_ptr<T>();
   const T* s = sin.data_ptr<T>();
   const int64_t row_elems = (query.size(1) + key.size(1)) * head_dim;
-  at::parallel_for(0, tokens, row_grain(row_elems), [&](int64_t t0, int64_t t1) {
+  parallel_for(0, tokens, row_grain(row_elems), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       rotate_heads(q + t * query.stride(0), query.size(1), head_dim, c + t * head_dim,
                    s + t * head_dim);
@@ -186,7 +186,7 @@ void silu_and_mul_kernel(const at::Tensor& x, at::Tensor& out) {
   const int64_t inner = out.size(1);
   const T* xs = x.data_ptr<T>();
   T* o = out.data_ptr<T>();
-  at::parallel_for(0, rows, row_grain(2 * inner), [&](int64_t r0, int64_t r1) {
+  parallel_for(0, rows, row_grain(2 * inner), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* gate = xs + r * 2 * inner;
       const T* up = gate + inner;

@@ -25,7 +25,6 @@
 // Only light headers are included: the full <torch/extension.h> (pybind11 + all of ATen)
 // roughly triples the build time, and the op is reached through torch.ops instead.
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -33,6 +32,7 @@
 
 #include "paged_attention_blocks.h"
 #include "paged_attention_bf16.h"
+#include "parallel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -51,6 +51,8 @@ using namespace attention;  // the inner loops (paged_attention_blocks.h, _bf16.
 // (row b, one of `splits` head ranges) costs its row's length plus a fixed overhead. Equal
 // counts would not do: rows differ in length, and when a prefill chunk's tokens come as rows
 // their lengths grow one by one (a triangle), so the last half holds ~3/4 of the work.
+constexpr int64_t kPartsPerThread = 8;
+
 std::vector<int64_t> balanced_bounds(
     const int64_t* lens, int64_t batch, int64_t splits, int64_t parts) {
   constexpr int64_t kTaskOverhead = 16;  // in positions: queries, softmax, output
@@ -120,15 +122,18 @@ void paged_attention_kernel(
   // Hkv * D run in the cache, read front to back, where one head per task read a D-wide
   // slice every Hkv * D elements (a strided pattern the prefetcher follows poorly). A few
   // rows (single-stream decode) split their heads across threads.
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = parallel_threads();
   const int64_t head_splits = batch >= 2 * threads ? 1 : num_kv_heads;
   const int64_t heads_per_task = num_kv_heads / head_splits;
 
-  const std::vector<int64_t> bounds = balanced_bounds(lens, batch, head_splits, threads);
-  at::parallel_for(0, threads, 1, [&](int64_t part_begin, int64_t part_end) {
+  // Several parts of equal work per thread, claimed one by one (parallel.h): a thread that is
+  // descheduled for a while leaves its parts to the others.
+  const int64_t parts = std::min(batch * head_splits, threads * kPartsPerThread);
+  const std::vector<int64_t> bounds = balanced_bounds(lens, batch, head_splits, parts);
+  parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
     const int64_t begin = bounds[part_begin];
     const int64_t end = bounds[part_end];
-    // Per-thread scratch, reused by every task in the range.
+    // Scratch, reused by every task in the range.
     std::vector<float> q(kPairs ? 0 : num_q_heads * head_dim);  // [Hq, D] scaled queries
     std::vector<float> acc(num_q_heads * head_dim);    // [Hq, D] weighted sum of V rows
     std::vector<float> scores(num_q_heads * max_len);  // [Hq, L] logits, then probabilities

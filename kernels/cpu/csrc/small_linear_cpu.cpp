@@ -25,13 +25,13 @@
 // output's partial sums are combined in a fixed order, so results do not depend on the thread
 // count.
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
+#include "parallel.h"
 #include "scalar.h"
 #include "vec_avx512.h"
 
@@ -285,13 +285,14 @@ void small_linear_kernel(
   const T* b = bias.has_value() ? bias->data_ptr<T>() : nullptr;
   T* o = out.data_ptr<T>();
 
-  // One band of rows per thread; a grain of 64 rows keeps per-task overhead small next to
-  // streaming 64 * K weights, and gives both cores work for the smallest projections.
+  // Bands of at least 64 rows, claimed by the threads one by one (parallel.h): a grain of 64
+  // rows keeps per-band overhead small next to streaming 64 * K weights, and gives both cores
+  // work for the smallest projections.
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (k % (2 * kLanes) == 0) {
       const T* xs = x.data_ptr<T>();
-      at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
+      parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
         band<T, T>(w, b, xs, r0, r1, m, k, n, o);
       });
       return;
@@ -304,7 +305,7 @@ void small_linear_kernel(
   for (int64_t i = 0; i < m * k; ++i) {
     xf[i] = widen(xs[i]);
   }
-  at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
+  parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
     band<T, float>(w, b, xf.data(), r0, r1, m, k, n, o);
   });
 }
