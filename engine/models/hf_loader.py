@@ -48,7 +48,24 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
         )
     if config.get("mlp_bias"):
         raise ValueError(f"{folder}: mlp_bias=true is not supported")
+    _refuse_quantized(folder, config)
     return config
+
+
+def _refuse_quantized(folder: Path, config: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose weights are quantized (AWQ, GPTQ, FP8, compressed-tensors,
+    bitsandbytes, ...) before any tensor is read: their packed tensors would otherwise fail
+    mid-load with a message about an unknown weight name that never says why."""
+    quantization = config.get("quantization_config")
+    if quantization is None:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    what = method or "quantization_config without a quant_method"
+    raise ValueError(
+        f"{folder}: its weights are quantized ({what}); corefleet does not load quantized "
+        "Hugging Face checkpoints yet. It loads unquantized safetensors (float32, bfloat16, "
+        "float16) and GGUF files: use the model's unquantized checkpoint, or a GGUF file of it"
+    )
 
 
 def _token_ids(value: Any) -> list[int]:

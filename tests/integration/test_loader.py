@@ -340,3 +340,31 @@ def test_pickle_only_checkpoint_is_refused(tmp_path: Path) -> None:
     (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
     with pytest.raises(ValueError, match="pickle"):
         load_weights(folder, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "quantization",
+    [
+        {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
+        {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False},
+        {"quant_method": "fp8", "activation_scheme": "dynamic"},
+        {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+        {"quant_method": "bitsandbytes", "load_in_4bit": True},
+        {"load_in_8bit": True},  # no quant_method: still refused
+    ],
+)
+def test_quantized_hf_checkpoint_is_refused_before_any_tensor(
+    tmp_path: Path, quantization: dict[str, object]
+) -> None:
+    folder = write_tiny_llama(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = quantization
+    (folder / "config.json").write_text(json.dumps(config))
+    # Unreadable weights: the refusal must come from the config, before any tensor is opened.
+    (folder / "model.safetensors").write_bytes(b"not safetensors")
+    method = str(quantization.get("quant_method", "quantization_config"))
+    for call in (load_arch_config, lambda p: load_weights(p, torch.float32)):
+        with pytest.raises(ValueError, match="quantized") as info:
+            call(folder)
+        assert method in str(info.value) and str(folder) in str(info.value)
+        assert "GGUF" in str(info.value)
