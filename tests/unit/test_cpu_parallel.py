@@ -98,3 +98,20 @@ def test_thread_count_changes_between_calls_resize_the_pool(restore_threads) -> 
         torch.set_num_threads(threads)
         out = OPS.small_linear(x, weight, bias)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_an_error_in_a_chunk_is_raised_to_the_caller_and_the_pool_goes_on(
+    threads: int, restore_threads
+) -> None:
+    """A chunk's check fails on whichever thread runs it: the caller gets the error (a helper
+    thread must not end the process), and the next call works."""
+    torch.set_num_threads(threads)
+    query, k_cache, v_cache, table, lens = _attention_case(5)
+    good = OPS.paged_attention(query, k_cache, v_cache, table, lens, 0.125)
+    bad_table = table.clone()
+    bad_table[:, 0] = k_cache.shape[0] + 7  # every row's first block is out of range
+    for _ in range(5):
+        with pytest.raises(RuntimeError, match="out of range"):
+            OPS.paged_attention(query, k_cache, v_cache, bad_table, lens, 0.125)
+        assert torch.equal(OPS.paged_attention(query, k_cache, v_cache, table, lens, 0.125), good)

@@ -21,6 +21,8 @@
 #include <chrono>
 #include <climits>
 #include <cstdint>
+#include <exception>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -114,6 +116,11 @@ class Pool {
     for (uint32_t users = users_.load(std::memory_order_seq_cst); users != 0;) {
       users = wait_while_equal(users_, users, caller_sleeping_, stop_);
     }
+    if (error_) {  // no thread is inside the job any more: error_ is ours alone
+      std::exception_ptr error = std::move(error_);
+      error_ = nullptr;
+      std::rethrow_exception(error);
+    }
   }
 
   static Pool& instance() {
@@ -130,7 +137,16 @@ class Pool {
         return;
       }
       const int64_t b = begin_ + static_cast<int64_t>(i) * chunk_;
-      fn_(ctx_, b, std::min(b + chunk_, end_));
+      try {
+        fn_(ctx_, b, std::min(b + chunk_, end_));
+      } catch (...) {
+        // A chunk that throws (a TORCH_CHECK on bad data) must not end the process from a
+        // helper thread: the first error is rethrown by the caller once the job is over.
+        std::lock_guard<std::mutex> lock(error_mutex_);
+        if (!error_) {
+          error_ = std::current_exception();
+        }
+      }
       if (done_.fetch_add(1, std::memory_order_seq_cst) + 1 == chunks_ &&
           caller_sleeping_.load(std::memory_order_seq_cst) > 0) {
         futex_wake_all(done_);
@@ -191,6 +207,8 @@ class Pool {
   std::atomic<uint32_t> caller_sleeping_{0};
   std::atomic<bool> stop_{false};
   std::vector<std::thread> helpers_;
+  std::mutex error_mutex_;
+  std::exception_ptr error_;  // the first exception a chunk threw in the current job
 };
 
 // One loop at a time uses the pool; a nested or concurrent loop runs serially instead.
@@ -213,8 +231,10 @@ void run_chunks(int64_t begin, int64_t end, int64_t grain, ChunkFn fn, const voi
     return;
   }
   const int64_t chunk = (range + chunks - 1) / chunks;
+  struct Release {  // the pool is free again however run() ends, a rethrown error included
+    ~Release() { pool_busy.store(false, std::memory_order_release); }
+  } release;
   Pool::instance().run(begin, end, chunk, (range + chunk - 1) / chunk, threads, fn, ctx);
-  pool_busy.store(false, std::memory_order_release);
 }
 
 }  // namespace corefleet

@@ -14,8 +14,9 @@
 // others take its chunks. Idle helpers spin for a short while (the next region of a step usually
 // follows within microseconds), then sleep on a futex.
 //
-// `fn` must not throw: a chunk runs on a helper thread, where an exception cannot be returned.
-// Check arguments before the loop (as the ops do with TORCH_CHECK).
+// A chunk that throws does not stop the others; the first exception is rethrown on the calling
+// thread once every chunk is done (as at::parallel_for does). Check arguments before the loop
+// where possible: the other chunks' work is wasted otherwise.
 #pragma once
 
 #include <cstdint>
