@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 
@@ -17,6 +18,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_serve_ready(
+    proc: subprocess.Popen[bytes], base: str, timeout: float, log: Path | None = None
+) -> None:
+    """Poll ``base``/ready until 200; fail (with ``log``'s text, if given) if ``proc`` exits or
+    ``timeout`` seconds pass first."""
+    tail = (lambda: "\n" + log.read_text()) if log is not None else (lambda: "")
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"corefleet serve exited with {proc.returncode}{tail()}"
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                return
+        assert time.monotonic() < deadline, f"corefleet serve not ready in {timeout} s{tail()}"
+        time.sleep(0.2)
 
 
 @contextlib.contextmanager
@@ -40,14 +57,7 @@ def serve_process(
     proc = subprocess.Popen(argv)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            assert proc.poll() is None, f"corefleet serve exited with {proc.returncode}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, f"corefleet serve not ready in {timeout} s"
-            time.sleep(0.2)
+        wait_serve_ready(proc, base, timeout)
         yield proc, base
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, "corefleet serve did not exit cleanly on SIGTERM"

@@ -13,12 +13,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from corefleet.engine.worker.cpu_allowance import format_cpu_list, parse_cpu_list
 from tests.fixtures_models import write_tiny_llama
-from tests.serve_support import free_port
+from tests.serve_support import free_port, wait_serve_ready
 
 pytestmark = [
     pytest.mark.slow,
@@ -91,17 +90,6 @@ def serving(*flags: str, log: Path) -> Iterator[tuple[subprocess.Popen[bytes], s
         proc.wait(timeout=10)
 
 
-def wait_ready(proc: subprocess.Popen[bytes], base: str, log: Path) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while True:
-        assert proc.poll() is None, f"serve exited with {proc.returncode}:\n{log.read_text()}"
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                return
-        assert time.monotonic() < deadline, f"serve not ready:\n{log.read_text()}"
-        time.sleep(0.5)
-
-
 def wait_pinned(proc: subprocess.Popen[bytes], count: int, log: Path) -> list[tuple[int, ...]]:
     """The children's affinities once ``count`` of them have narrowed theirs (first thing)."""
     deadline = time.monotonic() + TIMEOUT_S
@@ -120,7 +108,7 @@ def wait_pinned(proc: subprocess.Popen[bytes], count: int, log: Path) -> list[tu
 def test_two_ranks_are_pinned_to_distinct_cores(model: Path, tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     with serving("--model", str(model), "--data-parallel-size", "2", log=log) as (proc, base):
-        wait_ready(proc, base, log)  # pinned ranks load and serve
+        wait_serve_ready(proc, base, TIMEOUT_S, log)  # pinned ranks load and serve
         sets = wait_pinned(proc, 2, log)
         assert not set(sets[0]) & set(sets[1]), sets
         assert sorted(sets[0] + sets[1]) == list(AFFINITY)
@@ -152,7 +140,7 @@ def test_share_cores_runs_every_rank_on_every_core(model: Path, tmp_path: Path) 
     count = len(AFFINITY) + 1
     flags = ("--model", str(model), "--data-parallel-size", str(count), "--share-cores")
     with serving(*flags, log=log) as (proc, base):
-        wait_ready(proc, base, log)
+        wait_serve_ready(proc, base, TIMEOUT_S, log)
         sets = wait_pinned(proc, count, log)
         assert sets == [AFFINITY] * count
         text = log.read_text()
