@@ -24,7 +24,8 @@ from typing import ClassVar
 
 import torch
 
-from corefleet.kernels import reference
+from corefleet.kernels import gguf_quant, reference
+from corefleet.kernels.gguf_quant import QuantFormat
 from corefleet.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,32 @@ class KernelBackend:
     ) -> torch.Tensor:  # [T, N]
         """``x @ weight.T + bias``: every linear layer's matmul, the LM head's included."""
         return torch.nn.functional.linear(x, weight, bias)
+
+    def quant_linear(
+        self,
+        x: torch.Tensor,  # [T, K] float32 / bfloat16 / float16
+        qweight: torch.Tensor,  # [N, K / block_elems * block_bytes] uint8, GGUF blocks
+        fmt: QuantFormat,
+        bias: torch.Tensor | None,  # [N], x's dtype
+    ) -> torch.Tensor:  # [T, N], x's dtype
+        """``x @ W.T + bias`` for a weight ``W`` kept in a GGUF block format (``gguf_quant``).
+
+        The reference dequantizes the whole weight every call; kernels read the blocks and
+        dequantize in registers.
+        """
+        weight = gguf_quant.dequantize(qweight, fmt, x.shape[1]).to(x.dtype)
+        return torch.nn.functional.linear(x, weight, bias)
+
+    def quant_embedding(
+        self,
+        ids: torch.Tensor,  # [T] int64, each in [0, V)
+        qweight: torch.Tensor,  # [V, K / block_elems * block_bytes] uint8, GGUF blocks
+        fmt: QuantFormat,
+        k: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:  # [T, K] dtype
+        """The rows ``ids`` of a quantized embedding table, dequantized to ``dtype``."""
+        return gguf_quant.dequantize(qweight.index_select(0, ids), fmt, k).to(dtype)
 
     def rms_norm(
         self,
