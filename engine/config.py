@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args, get_origin
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Quantization = Literal["auto", "gguf", "none"]
+KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash-attn"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 
@@ -85,6 +87,15 @@ class ModelConfig:
             "weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)"
         ),
     )
+    quantization: Quantization = field(
+        default="auto",
+        metadata=engine_arg(
+            "how quantized weights are run: gguf keeps a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K, "
+            "Q5_K and Q6_K weights in their blocks (read by the kernels; other types are "
+            "dequantized with a warning); none dequantizes every weight to --dtype at load; "
+            "auto: gguf for a .gguf file, none otherwise"
+        ),
+    )
     max_model_len: int | None = field(
         default=None,
         metadata=engine_arg("context length (prompt + output); default: the model's own"),
@@ -95,6 +106,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _require_choice("dtype", self.dtype, Dtype)
+        _require_choice("quantization", self.quantization, Quantization)
         if self.max_model_len is not None:
             _require(
                 self.max_model_len >= 2, "max_model_len", self.max_model_len, "must be at least 2"

@@ -3,9 +3,12 @@
 The model code has one naming scheme whatever the source. Two things differ from a Hugging Face
 checkpoint beyond the names:
 
-* Every tensor may be quantized (Q4_1, Q8_0, K-quants, ...). ``gguf.quants.dequantize`` turns it
-  into float32; we then cast to the requested dtype. GGUF lists dimensions fastest-first (ggml
-  order), so the HF shape is the reversed GGUF shape.
+* Every tensor may be quantized (Q4_1, Q8_0, K-quants, ...). With ``keep_quantized`` the weights
+  in a format the kernels read (``corefleet.kernels.gguf_quant``) come out as their raw blocks,
+  ``uint8 [N, row_bytes]``, read from the file straight into memory the model owns (no page of
+  the file's mapping is touched, so it does not stay resident); every other tensor is
+  dequantized by ``gguf.quants.dequantize`` to float32 and cast to the requested dtype. GGUF
+  lists dimensions fastest-first (ggml order), so the HF shape is the reversed GGUF shape.
 * llama.cpp runs Llama with the "normal" (GPT-J style, interleaved pairs) rotary kernel, while HF
   rotates the two halves of each head (NeoX style). Its converter therefore permutes the rows of
   ``q_proj``/``k_proj`` within each head: HF row ``h*d + i*(d/2) + j`` (half ``i``, index ``j``)
@@ -15,6 +18,8 @@ checkpoint beyond the names:
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +32,9 @@ from corefleet.engine.models.gguf_metadata import (
     gguf_value,
     open_gguf,
 )
+from corefleet.kernels.gguf_quant import FORMATS, QuantFormat
+
+logger = logging.getLogger(__name__)
 
 # Architectures whose q/k rows llama.cpp permuted for its interleaved rotary kernel.
 _PERMUTED_QK = frozenset({"llama"})
@@ -76,10 +84,30 @@ def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def iter_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every weight in the GGUF file, dequantized to ``dtype``.
+def quantized_weight_formats(path: str) -> dict[str, QuantFormat]:
+    """The HF name and block format of every weight that stays quantized when loaded so.
 
-    The file is opened and its architecture checked now; tensors are dequantized lazily.
+    Those are the 2-D tensors whose GGUF type the kernels read; norms (F32), F16/BF16 tensors
+    and the quant types without kernels are dequantized instead.
+    """
+    reader = open_gguf(path)
+    formats: dict[str, QuantFormat] = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        fmt = FORMATS.get(int(tensor.tensor_type))
+        if name is not None and fmt is not None and len(tensor.shape) == 2:
+            formats[name] = fmt
+    return formats
+
+
+def iter_gguf_weights(
+    path: str, dtype: torch.dtype, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every weight in the GGUF file.
+
+    Dequantized to ``dtype``, or, with ``keep_quantized``, the weights of
+    ``quantized_weight_formats`` as ``uint8 [N, row_bytes]`` blocks (the rest dequantized).
+    The file is opened and its architecture checked now; tensors are read lazily.
 
     Raises:
         ValueError: unreadable file, unsupported architecture, or (while iterating) a tensor
@@ -87,28 +115,64 @@ def iter_gguf_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torc
     """
     reader = open_gguf(path)
     arch = gguf_architecture(reader, path)
-    return _generate_gguf_weights(reader, arch, path, dtype)
+    quantized = quantized_weight_formats(path) if keep_quantized else {}
+    return _generate_gguf_weights(reader, arch, path, dtype, quantized)
 
 
 def _generate_gguf_weights(
-    reader: Any, arch: str, path: str, dtype: torch.dtype
+    reader: Any, arch: str, path: str, dtype: torch.dtype, quantized: dict[str, QuantFormat]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     heads = int(gguf_value(reader, f"{arch}.attention.head_count"))
     kv_heads = int(gguf_value(reader, f"{arch}.attention.head_count_kv", heads))
     permuted = arch in _PERMUTED_QK
+    dequantized: Counter[str] = Counter()
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS_TENSOR:
             continue  # folded into ArchConfig.rope_scaling
         name = hf_name(tensor.name)
         if name is None:
             raise ValueError(f"{path}: GGUF tensor {tensor.name!r} has no Llama counterpart")
-        array = dequantize_tensor(tensor)
-        if not array.flags.writeable:
-            # F32 tensors come back as views of the read-only memory map.
-            array = array.copy()
-        weight = torch.from_numpy(array)
+        if name in quantized:
+            weight = _read_blocks(path, tensor)
+        else:
+            weight = _dequantized(tensor, dtype)
+            if quantized and len(tensor.shape) == 2:
+                dequantized[tensor.tensor_type.name] += 1
         if permuted and tensor.name.endswith((".attn_q.weight", ".attn_q.bias")):
             weight = unpermute_rotary(weight, heads)
         elif permuted and tensor.name.endswith((".attn_k.weight", ".attn_k.bias")):
             weight = unpermute_rotary(weight, kv_heads)
-        yield name, weight.to(dtype)
+        yield name, weight
+    for type_name, count in sorted(dequantized.items()):
+        logger.warning(
+            "%s: %d weight(s) of type %s dequantized to %s (no kernel reads %s blocks; "
+            "kept quantized: %s)",
+            path,
+            count,
+            type_name,
+            dtype,
+            type_name,
+            ", ".join(sorted({f.name for f in FORMATS.values()})),
+        )
+
+
+def _dequantized(tensor: Any, dtype: torch.dtype) -> torch.Tensor:
+    array = dequantize_tensor(tensor)
+    if not array.flags.writeable:
+        # F32 tensors come back as views of the read-only memory map.
+        array = array.copy()
+    return torch.from_numpy(array).to(dtype)
+
+
+def _read_blocks(path: str, tensor: Any) -> torch.Tensor:  # uint8 [N, row_bytes]
+    """A quantized tensor's bytes, read from the file (not through the reader's mapping)."""
+    rows = int(tensor.shape[1])  # ggml order: [K, N]
+    blocks = torch.empty(rows, int(tensor.n_bytes) // rows, dtype=torch.uint8)
+    with open(path, "rb") as file:
+        file.seek(int(tensor.data_offset))
+        got = file.readinto(blocks.numpy().data)
+    if got != tensor.n_bytes:
+        raise ValueError(
+            f"{path}: GGUF tensor {tensor.name!r} is truncated ({got} of {tensor.n_bytes} bytes)"
+        )
+    return blocks

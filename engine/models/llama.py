@@ -3,19 +3,24 @@
 No padding anywhere: the batch is ``[T]`` tokens from many requests, and attention finds each
 request's context through the paged KV cache (``AttentionMetadata``). Projections are fused
 (q|k|v and gate|up) so each layer runs few, large GEMMs.
+
+A layer whose source tensors are all in a GGUF block format the kernels read (``quantized``,
+by Hugging Face name) keeps them so (``quant_layers``); every other layer holds float weights.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 
 from corefleet.engine.models.arch import ArchConfig
+from corefleet.engine.models.quant_layers import QuantEmbedding, QuantLinear, QuantPart
 from corefleet.engine.models.rope import build_cos_sin_cache
 from corefleet.kernels import reference
 from corefleet.kernels.backend import KernelBackend
+from corefleet.kernels.gguf_quant import QuantFormat
 from corefleet.kernels.metadata import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: k, v [num_blocks, bs, Hkv, D]
@@ -49,8 +54,35 @@ class BackendLinear(nn.Linear):
         return self.backend.linear(x, self.weight, self.bias)
 
 
+class LinearFactory:
+    """Builds each linear layer dense or quantized, by the formats of its source tensors."""
+
+    def __init__(self, backend: KernelBackend, quantized: Mapping[str, QuantFormat]) -> None:
+        self.backend = backend
+        self.quantized = quantized
+
+    def __call__(
+        self,
+        in_features: int,
+        parts: list[tuple[str, str | None, int]],  # (HF name, shard, rows) in output order
+        bias: bool,
+    ) -> BackendLinear | QuantLinear:
+        formats = [self.quantized.get(hf_name) for hf_name, _, _ in parts]
+        if all(fmt is not None for fmt in formats):
+            quant_parts = [
+                QuantPart(shard, rows, fmt)
+                for (_, shard, rows), fmt in zip(parts, formats, strict=True)
+                if fmt is not None
+            ]
+            return QuantLinear(in_features, quant_parts, bias, self.backend)
+        out_features = sum(rows for _, _, rows in parts)
+        return BackendLinear(in_features, out_features, bias, self.backend)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: KernelBackend) -> None:
+    def __init__(
+        self, cfg: ArchConfig, backend: KernelBackend, make_linear: LinearFactory, prefix: str
+    ) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -58,10 +90,18 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = BackendLinear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, backend
+        self.qkv_proj = make_linear(
+            cfg.hidden_size,
+            [
+                (f"{prefix}q_proj.weight", "q", self.q_size),
+                (f"{prefix}k_proj.weight", "k", self.kv_size),
+                (f"{prefix}v_proj.weight", "v", self.kv_size),
+            ],
+            cfg.attention_bias,
         )
-        self.o_proj = BackendLinear(self.q_size, cfg.hidden_size, False, backend)
+        self.o_proj = make_linear(
+            self.q_size, [(f"{prefix}o_proj.weight", None, cfg.hidden_size)], False
+        )
         self.backend = backend
 
     def forward(
@@ -86,12 +126,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: KernelBackend) -> None:
+    def __init__(
+        self, cfg: ArchConfig, backend: KernelBackend, make_linear: LinearFactory, prefix: str
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = BackendLinear(
-            cfg.hidden_size, 2 * cfg.intermediate_size, False, backend
+        size = cfg.intermediate_size
+        self.gate_up_proj = make_linear(
+            cfg.hidden_size,
+            [(f"{prefix}gate_proj.weight", "gate", size), (f"{prefix}up_proj.weight", "up", size)],
+            False,
         )
-        self.down_proj = BackendLinear(cfg.intermediate_size, cfg.hidden_size, False, backend)
+        self.down_proj = make_linear(
+            size, [(f"{prefix}down_proj.weight", None, cfg.hidden_size)], False
+        )
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
@@ -99,12 +146,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: KernelBackend) -> None:
+    def __init__(
+        self, cfg: ArchConfig, backend: KernelBackend, make_linear: LinearFactory, index: int
+    ) -> None:
         super().__init__()
+        prefix = f"model.layers.{index}."
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.self_attn = LlamaAttention(cfg, backend)
+        self.self_attn = LlamaAttention(cfg, backend, make_linear, f"{prefix}self_attn.")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.mlp = LlamaMLP(cfg, backend)
+        self.mlp = LlamaMLP(cfg, backend, make_linear, f"{prefix}mlp.")
 
     def forward(
         self,
@@ -124,21 +174,42 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The decoder plus its LM head; ``forward`` returns hidden states, not logits."""
 
-    def __init__(self, cfg: ArchConfig, backend: KernelBackend, max_positions: int) -> None:
+    def __init__(
+        self,
+        cfg: ArchConfig,
+        backend: KernelBackend,
+        max_positions: int,
+        quantized: Mapping[str, QuantFormat] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """``quantized``: the block format of each weight (by HF name) kept quantized;
+        ``dtype``: the activations' dtype (what a quantized embedding dequantizes to)."""
         super().__init__()
         self.cfg = cfg
-        # An explicit weight skips nn.Embedding's random init, whose call imports torch._dynamo
-        # (~1.6 s of every rank's start-up); the loader fills the weight anyway.
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
-        )
+        quantized = quantized or {}
+        make_linear = LinearFactory(backend, quantized)
+        embed_format = quantized.get("model.embed_tokens.weight")
+        self.embed_tokens: nn.Embedding | QuantEmbedding
+        if embed_format is not None:
+            self.embed_tokens = QuantEmbedding(
+                cfg.vocab_size, cfg.hidden_size, embed_format, dtype, backend
+            )
+        else:
+            # An explicit weight skips nn.Embedding's random init, whose call imports
+            # torch._dynamo (~1.6 s of every rank's start-up); the loader fills it anyway.
+            self.embed_tokens = nn.Embedding(
+                cfg.vocab_size,
+                cfg.hidden_size,
+                _weight=torch.empty(cfg.vocab_size, cfg.hidden_size),
+            )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, backend, make_linear, i) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.lm_head = BackendLinear(cfg.hidden_size, cfg.vocab_size, False, backend)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        # A tied head is the embedding table, quantized or not like it.
+        head_source = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = make_linear(cfg.hidden_size, [(head_source, None, cfg.vocab_size)], False)
+        self.tie_word_embeddings()
         cos_sin = build_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
@@ -158,6 +229,18 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
+    def tie_word_embeddings(self) -> None:
+        """Make a tied model's LM head read the embedding table (again after materialising)."""
+        if not self.cfg.tie_word_embeddings:
+            return
+        if isinstance(self.lm_head, QuantLinear):
+            assert isinstance(self.embed_tokens, QuantEmbedding)
+            table: torch.Tensor = self.embed_tokens.qweight  # type: ignore[assignment]
+            self.lm_head.share_blocks(table)
+        else:
+            assert isinstance(self.embed_tokens, nn.Embedding)
+            self.lm_head.weight = self.embed_tokens.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
         return self.lm_head(hidden).float()
 
@@ -169,16 +252,27 @@ class LlamaForCausalLM(nn.Module):
             name, shard = _map_hf_name(hf_name)
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
-            if name not in params:
+            if tensor.dtype == torch.uint8:  # GGUF blocks
+                target = self._quantized_target(name, shard, hf_name)
+            elif name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
-            target = params[name].data
-            if shard is None:
-                _copy_checked(target, tensor, hf_name)
+            elif shard is None:
+                target = params[name].data
             else:
                 start, size = self._shard_range(name, shard)
-                _copy_checked(target.narrow(0, start, size), tensor, hf_name)
+                target = params[name].data.narrow(0, start, size)
+            _copy_checked(target, tensor, hf_name)
             loaded.add(f"{name}:{shard}")
         self._check_complete(loaded)
+
+    def _quantized_target(self, name: str, shard: str | None, hf_name: str) -> torch.Tensor:
+        module = self.get_submodule(name.removesuffix(".weight"))
+        if isinstance(module, QuantLinear) and shard in module.shards:
+            return module.part_blocks(shard)
+        if isinstance(module, QuantEmbedding):
+            table: torch.Tensor = module.qweight  # type: ignore[assignment]
+            return table
+        raise ValueError(f"quantized checkpoint tensor {hf_name!r} has no quantized place")
 
     def _shard_range(self, name: str, shard: str) -> tuple[int, int]:
         cfg = self.cfg
@@ -195,6 +289,13 @@ class LlamaForCausalLM(nn.Module):
 
     def _check_complete(self, loaded: set[str]) -> None:
         expected: set[str] = set()
+        for prefix, module in self.named_modules():
+            if isinstance(module, QuantLinear) and not (
+                prefix == "lm_head" and self.cfg.tie_word_embeddings
+            ):
+                expected.update(f"{prefix}.weight:{shard}" for shard in module.shards)
+            elif isinstance(module, QuantEmbedding):
+                expected.add(f"{prefix}.weight:None")
         for name, _ in self.named_parameters():
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue

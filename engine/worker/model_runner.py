@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import numpy as np
 import torch
@@ -13,10 +14,11 @@ from corefleet.engine.core.scheduler_output import ModelRunnerOutput, SchedulerO
 from corefleet.engine.models.arch import ArchConfig
 from corefleet.engine.models.llama import KVCache, LlamaForCausalLM
 from corefleet.engine.models.rope import build_cos_sin_cache
-from corefleet.engine.models.weights import load_weights
+from corefleet.engine.models.weights import load_weights, quantized_weights
 from corefleet.engine.worker.input_batch import InputBatch, RequestState, StepInputs
 from corefleet.engine.worker.sampler import Sampler, SamplingMetadata
 from corefleet.kernels.backend import select_kernel_backend
+from corefleet.kernels.gguf_quant import QuantFormat
 from corefleet.kernels.metadata import AttentionMetadata, PrefillSpan
 
 logger = logging.getLogger(__name__)
@@ -55,22 +57,25 @@ class ModelRunner:
 
     def load_model(self) -> None:
         started = time.perf_counter()
+        quantized = quantized_weights(self.model_path, self.config.model.quantization)
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.arch, self.backend, self.max_model_len)
+            model = LlamaForCausalLM(
+                self.arch, self.backend, self.max_model_len, quantized, self.dtype
+            )
         model = model.to_empty(device=self.device).to(self.dtype)
         # The rotary table is computed, not loaded: rebuild it after materialising.
         model.register_buffer(
             "cos_sin_cache", _cos_sin(self.arch, self.max_model_len, self.device), persistent=False
         )
-        if self.arch.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
-        model.load_weights(load_weights(self.model_path, self.dtype))
+        model.tie_word_embeddings()
+        model.load_weights(load_weights(self.model_path, self.dtype, bool(quantized)))
         self.model = model.eval()
         logger.info(
-            "loaded %s (%s, %d layers) in %.1f s",
+            "loaded %s (%s, %d layers%s) in %.1f s",
             self.model_path,
             self.dtype,
             self.arch.num_hidden_layers,
+            _describe_quantized(quantized),
             time.perf_counter() - started,
         )
 
@@ -329,6 +334,15 @@ def _needs_history(states: list[RequestState]) -> bool:
 def _cos_sin(arch: ArchConfig, max_positions: int, device: torch.device) -> torch.Tensor:
     table = build_cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
     return table.to(device)  # [max_positions, head_dim] float32
+
+
+def _describe_quantized(quantized: dict[str, QuantFormat]) -> str:
+    """`, 211 weights kept in GGUF blocks (Q4_1 210, Q8_0 1)` or nothing."""
+    if not quantized:
+        return ""
+    counts = Counter(fmt.name for fmt in quantized.values())
+    by_format = ", ".join(f"{name} {count}" for name, count in sorted(counts.items()))
+    return f", {len(quantized)} weights kept in GGUF blocks ({by_format})"
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

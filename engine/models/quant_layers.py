@@ -1,0 +1,118 @@
+"""Layers whose weights stay in a GGUF block format (``corefleet.kernels.gguf_quant``).
+
+A GGUF file stores q, k and v (and gate and up) as separate tensors, and a file may quantize
+them differently (Q4_K_M files keep some v and down projections in Q6_K). A fused layer
+therefore holds one block buffer per run of consecutive parts with the same format: parts of
+one format are stacked row-wise and read by one kernel call, and a layer with several buffers
+concatenates their outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from corefleet.kernels.backend import KernelBackend
+from corefleet.kernels.gguf_quant import QuantFormat
+
+
+@dataclass(frozen=True)
+class QuantPart:
+    """One source tensor of a layer: its shard name (``q``, ``gate``, ... or None), rows and
+    block format."""
+
+    shard: str | None
+    rows: int
+    fmt: QuantFormat
+
+
+@dataclass(frozen=True)
+class _Buffer:
+    name: str  # the registered buffer's attribute name
+    fmt: QuantFormat
+    row_start: int  # first output row (of the whole layer) this buffer computes
+    rows: int
+
+
+class QuantLinear(nn.Module):
+    """A linear layer ``x @ W.T + b`` whose ``W`` stays in GGUF blocks, read by the backend's
+    ``quant_linear``. The bias, if any, is a float parameter in the model's dtype."""
+
+    def __init__(
+        self, in_features: int, parts: list[QuantPart], bias: bool, backend: KernelBackend
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = sum(part.rows for part in parts)
+        self.backend = backend
+        buffers: list[_Buffer] = []
+        self._located: dict[str | None, tuple[int, int, int]] = {}  # shard -> buffer, row, rows
+        row = 0
+        for part in parts:
+            if not buffers or buffers[-1].fmt != part.fmt:
+                buffers.append(_Buffer(f"qweight{len(buffers)}", part.fmt, row, 0))
+            last = buffers[-1]
+            self._located[part.shard] = (len(buffers) - 1, last.rows, part.rows)
+            buffers[-1] = dataclasses.replace(last, rows=last.rows + part.rows)
+            row += part.rows
+        self._layout = tuple(buffers)
+        for buf in buffers:
+            blocks = torch.empty(buf.rows, buf.fmt.row_bytes(in_features), dtype=torch.uint8)
+            self.register_buffer(buf.name, blocks)
+        self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
+
+    @property
+    def formats(self) -> list[QuantFormat]:
+        """The block format of each buffer, in output order."""
+        return [buf.fmt for buf in self._layout]
+
+    @property
+    def shards(self) -> list[str | None]:
+        """The parts' shard names, in output order."""
+        return list(self._located)
+
+    def part_blocks(self, shard: str | None) -> torch.Tensor:  # uint8 [rows, row_bytes]
+        """The rows of the block buffer that hold part ``shard`` (a view, for loading)."""
+        index, offset, rows = self._located[shard]
+        return self.get_buffer(self._layout[index].name).narrow(0, offset, rows)
+
+    def share_blocks(self, blocks: torch.Tensor) -> None:
+        """Use ``blocks`` (a tied embedding's table) as this single-buffer layer's weight."""
+        (buf,) = self._layout
+        setattr(self, buf.name, blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        outs = []
+        for buf in self._layout:
+            bias = None if self.bias is None else self.bias.narrow(0, buf.row_start, buf.rows)
+            outs.append(self.backend.quant_linear(x, self.get_buffer(buf.name), buf.fmt, bias))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table kept in GGUF blocks; looked-up rows are dequantized to ``dtype``."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        fmt: QuantFormat,
+        dtype: torch.dtype,
+        backend: KernelBackend,
+    ) -> None:
+        super().__init__()
+        self.embedding_dim = embedding_dim
+        self.fmt = fmt
+        self.dtype = dtype
+        self.backend = backend
+        self.register_buffer(
+            "qweight",
+            torch.empty(num_embeddings, fmt.row_bytes(embedding_dim), dtype=torch.uint8),
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, embedding_dim]
+        table: torch.Tensor = self.qweight  # type: ignore[assignment]
+        return self.backend.quant_embedding(ids, table, self.fmt, self.embedding_dim, self.dtype)
