@@ -29,6 +29,7 @@ AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash-attn"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 GiB = 1 << 30
+DEFAULT_CPU_KV_CACHE_LIMIT = 4 * GiB  # the most the default CPU KV budget takes
 
 _ARG_METADATA_KEY = "corefleet.engine_arg"
 
@@ -118,9 +119,20 @@ class CacheConfig:
     """The paged KV cache."""
 
     block_size: int = field(default=16, metadata=engine_arg("tokens per KV-cache block"))
-    kv_cache_memory: int = field(
-        default=4 * GiB,
-        metadata=engine_arg("bytes of memory for the KV cache on CPU (default 4 GiB)"),
+    kv_cache_memory: int | None = field(
+        default=None,
+        metadata=engine_arg(
+            "bytes of memory for the KV cache on CPU (default: what --max-num-seqs requests "
+            "of --max-model-len tokens can fill, at most 4 GiB)"
+        ),
+    )
+    cache_dtype: KVCacheDtype = field(
+        default="auto",
+        metadata=engine_arg(
+            "dtype of the KV cache (auto: the model's dtype on GPU; on CPU bfloat16 where the "
+            "CPU computes in it natively (AVX512-BF16), else the model's dtype)",
+            flag="--kv-cache-dtype",
+        ),
     )
     gpu_memory_utilization: float = field(
         default=0.9,
@@ -146,8 +158,9 @@ class CacheConfig:
             self.block_size,
             "must be a power of two up to 256",
         )
+        _require_choice("kv_cache_dtype", self.cache_dtype, KVCacheDtype)
         _require(
-            self.kv_cache_memory > 0,
+            self.kv_cache_memory is None or self.kv_cache_memory > 0,
             "kv_cache_memory",
             self.kv_cache_memory,
             "must be a positive number of bytes",
@@ -290,6 +303,17 @@ class EngineConfig:
         """A short digest of every setting; ranks of one fleet should all report the same."""
         text = repr(dataclasses.asdict(self)).encode()
         return hashlib.sha256(text).hexdigest()[:16]
+
+    def cpu_kv_cache_budget(self, bytes_per_block: int) -> int:
+        """Bytes for the KV cache on CPU: ``--kv-cache-memory`` if given, else what
+        ``max_num_seqs`` requests of ``max_model_len`` tokens can fill (plus the reserved
+        block 0), at most ``DEFAULT_CPU_KV_CACHE_LIMIT``. Needs the resolved max_model_len."""
+        if self.cache.kv_cache_memory is not None:
+            return self.cache.kv_cache_memory
+        assert self.model.max_model_len is not None, "max_model_len must be resolved"
+        blocks_per_request = -(-self.model.max_model_len // self.cache.block_size)
+        usable = (self.scheduler.max_num_seqs * blocks_per_request + 1) * bytes_per_block
+        return min(usable, DEFAULT_CPU_KV_CACHE_LIMIT)
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         """This config with the context length resolved from the model."""

@@ -102,10 +102,13 @@ def write_tiny_model(
     seed: int = 0,
     max_shard_size: str | None = None,
     add_bos_token: bool | None = None,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
 ) -> Path:
     """Write a random 2-layer ``llama``, ``mistral`` or ``qwen2`` model in HF format to path.
 
-    hidden 64, 4 heads (head_dim 16), ``num_kv_heads`` KV heads, intermediate 128, vocab 320.
+    hidden 64, 4 heads (head_dim 16), ``num_kv_heads`` KV heads, intermediate 128, vocab 320
+    (hidden and intermediate can be raised: GGUF K-quants need multiples of 256).
     Every parameter (norms and biases too) is drawn at random so that any two tensors differ
     and a mix-up between them shows. ``max_shard_size`` (e.g. "100KB") writes shards and an
     index.
@@ -119,8 +122,8 @@ def write_tiny_model(
     }[architecture]
     config = config_cls(
         vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=num_kv_heads,
@@ -218,12 +221,17 @@ def write_tiny_gguf(
     add_bos_token: bool = False,
     float16: bool = False,
     rope_freqs: np.ndarray | None = None,
+    quant: dict[str, str] | None = None,
 ) -> Path:
     """Convert a tiny HF folder (from ``write_tiny_model``) into the GGUF file ``path``.
 
     Like llama.cpp: ggml dimension order, q/k permuted for ``llama``, tokenizer metadata from
     tokenizer.json (special added tokens become CONTROL), no ``output.weight`` when tied.
     ``float16`` stores matrices as F16 (norms stay F32); ``rope_freqs`` adds that tensor.
+    ``quant`` maps a GGUF tensor kind (``attn_q``, ``ffn_down``, ``token_embd``, ``output``)
+    to a quant type name: the gguf package quantizes the weight where it can (Q8_0, Q4_0,
+    Q4_1, Q5_0, ...); for the types it cannot (K-quants) the tensor becomes random valid
+    blocks of that type (``gguf_blocks.random_qweight``), no longer the folder's weight.
     """
     import gguf
 
@@ -264,9 +272,15 @@ def write_tiny_gguf(
             array = llamacpp_permute(array, heads)
         elif arch == "llama" and ".k_proj." in name:
             array = llamacpp_permute(array, kv_heads)
+        gguf_name = _gguf_name(name)
+        kind = gguf_name.split(".")[-2]
+        if quant and kind in quant and array.ndim == 2:
+            blocks, qtype = _quantized(array, quant[kind], seed=len(gguf_name))
+            writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
+            continue
         if float16 and array.ndim == 2:
             array = array.astype(np.float16)
-        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(array))
+        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     writer.write_header_to_file()
@@ -274,3 +288,19 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _quantized(array: np.ndarray, type_name: str, seed: int) -> tuple[np.ndarray, Any]:
+    """``array`` ``[N, K]`` in GGUF quant type ``type_name``: ``(uint8 blocks, ggml type)``."""
+    import gguf
+    from gguf.quants import quantize
+
+    from corefleet.kernels.gguf_quant import FORMATS_BY_NAME
+    from tests.gguf_blocks import random_qweight
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    try:
+        return quantize(np.ascontiguousarray(array, dtype=np.float32), qtype), qtype
+    except NotImplementedError:
+        fmt = FORMATS_BY_NAME[type_name]
+        return random_qweight(fmt, array.shape[0], array.shape[1], seed=seed, scale=0.1), qtype

@@ -23,7 +23,8 @@ from corefleet.kernels.backend import KernelBackend
 from corefleet.kernels.gguf_quant import QuantFormat
 from corefleet.kernels.metadata import AttentionMetadata
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # per layer: k, v [num_blocks, bs, Hkv, D]
+# per layer: k, v [num_blocks, bs, Hkv, D], the activations' dtype or --kv-cache-dtype's
+KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -120,9 +121,13 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.backend.apply_rotary(q, k, *rotary)
         k_cache, v_cache = kv_cache
+        if k_cache.dtype != hidden.dtype:
+            # A 16-bit cache under float32 activations (--kv-cache-dtype): attention runs in
+            # the cache's dtype, and only its output returns to the activations' dtype.
+            q, k, v = (t.to(k_cache.dtype) for t in (q, k, v))
         self.backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.backend.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size).to(hidden.dtype))
 
 
 class LlamaMLP(nn.Module):

@@ -18,6 +18,7 @@ from corefleet.engine.models.weights import load_weights, quantized_weights
 from corefleet.engine.worker.input_batch import InputBatch, RequestState, StepInputs
 from corefleet.engine.worker.sampler import Sampler, SamplingMetadata
 from corefleet.kernels.backend import select_kernel_backend
+from corefleet.kernels.cpu.loader import cpu_flags
 from corefleet.kernels.gguf_quant import QuantFormat
 from corefleet.kernels.metadata import AttentionMetadata, PrefillSpan
 
@@ -48,6 +49,7 @@ class ModelRunner:
         self.backend = select_kernel_backend(
             config.device.attention_backend, device, dtype=dtype, block_size=self.block_size
         )
+        self.kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, dtype, self.backend.name)
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[KVCache] = []
         self.sampler = Sampler(argmax=self.backend.argmax)
@@ -81,7 +83,7 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         a = self.arch
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * a.num_hidden_layers * self.block_size * a.num_key_value_heads * a.head_dim * elem
 
     def determine_num_blocks(self) -> int:
@@ -94,8 +96,15 @@ class ModelRunner:
             _, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * cache.gpu_memory_utilization) - self._profile_peak_memory()
         else:
-            budget = cache.kv_cache_memory
+            budget = self.config.cpu_kv_cache_budget(self.kv_bytes_per_block())
         num_blocks = budget // self.kv_bytes_per_block()
+        logger.info(
+            "KV cache: %s, %d blocks of %d bytes (budget %d bytes)",
+            str(self.kv_dtype).removeprefix("torch."),
+            num_blocks,
+            self.kv_bytes_per_block(),
+            budget,
+        )
         if num_blocks < 2:
             raise ValueError(
                 f"the KV cache budget of {budget} bytes holds no block of "
@@ -146,7 +155,7 @@ class ModelRunner:
         a = self.arch
         shape = (num_blocks, self.block_size, a.num_key_value_heads, a.head_dim)
         self.kv_caches = [
-            (_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
+            (_zeros(shape, self.kv_dtype, self.device), _zeros(shape, self.kv_dtype, self.device))
             for _ in range(a.num_hidden_layers)
         ]
 
@@ -334,6 +343,17 @@ def _needs_history(states: list[RequestState]) -> bool:
 def _cos_sin(arch: ArchConfig, max_positions: int, device: torch.device) -> torch.Tensor:
     table = build_cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
     return table.to(device)  # [max_positions, head_dim] float32
+
+
+def resolve_kv_cache_dtype(requested: str, dtype: torch.dtype, backend: str) -> torch.dtype:
+    """``--kv-cache-dtype``. ``auto``: bfloat16 for the C++ CPU kernels on a CPU with
+    AVX512-BF16 (half the bytes of float32 for every token's K and V, and attention reads
+    them with native bf16 dot products), the model's dtype everywhere else."""
+    if requested != "auto":
+        return TORCH_DTYPES[requested]
+    if backend == "cpu" and dtype == torch.float32 and "avx512_bf16" in cpu_flags()[0]:
+        return torch.bfloat16
+    return dtype
 
 
 def _describe_quantized(quantized: dict[str, QuantFormat]) -> str:

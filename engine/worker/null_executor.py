@@ -53,7 +53,7 @@ class NullExecutor:
             * a.head_dim
             * _BYTES_PER_ELEMENT
         )
-        return max(2, cache.kv_cache_memory // per_block)
+        return max(2, self.config.cpu_kv_cache_budget(per_block) // per_block)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         del num_blocks  # nothing to allocate

@@ -62,6 +62,8 @@ VLLM_FLAGS = {
     "--attention-backend",
     "--tensor-parallel-size",
     "--distributed-executor-backend",
+    "--quantization",
+    "--kv-cache-dtype",
 }
 
 # One non-default value per engine argument, keyed by its keyword (vLLM's EngineArgs name).
@@ -70,6 +72,8 @@ NON_DEFAULT: dict[str, object] = {
     "served_model_name": "team/llama-small",
     "max_model_len": 4096,
     "dtype": "bfloat16",
+    "quantization": "none",
+    "kv_cache_dtype": "float16",
     "seed": 1234,
     "max_num_seqs": 7,
     "max_num_batched_tokens": 513,
@@ -94,6 +98,8 @@ EXTRA_CASES: dict[str, dict[str, object]] = {
     "gpu_memory_utilization=1.0": {"gpu_memory_utilization": 1.0},
     "dtype=float16": {"dtype": "float16"},
     "dtype=float32": {"dtype": "float32"},
+    "quantization=gguf": {"quantization": "gguf"},
+    "kv_cache_dtype=bfloat16": {"kv_cache_dtype": "bfloat16"},
     "num_gpu_blocks_override=2": {"num_gpu_blocks_override": 2},
     "seed=-5": {"seed": -5},
     "model=-dash-first": {"model": "-m"},
