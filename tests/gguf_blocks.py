@@ -28,7 +28,9 @@ _F16_OFFSETS = {
 }
 
 
-def random_qweight(fmt: QuantFormat, n: int, k: int, seed: int = 0, scale: float = 0.02) -> np.ndarray:
+def random_qweight(
+    fmt: QuantFormat, n: int, k: int, seed: int = 0, scale: float = 0.02
+) -> np.ndarray:
     """A ``[n, fmt.row_bytes(k)]`` uint8 array of valid ``fmt`` blocks (``k`` a block multiple)."""
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(n, fmt.row_bytes(k)), dtype=np.uint8)

@@ -33,6 +33,9 @@ PROMPTS = [
     "Hello",
 ]
 NEW_TOKENS = 48
+# transformers runs float32 throughout: so do activations and KV cache here (the weights stay
+# in the file's GGUF blocks, the default, and are dequantized in the kernels).
+FLOAT32: dict[str, str] = {"dtype": "float32", "kv_cache_dtype": "float32"}
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
@@ -57,7 +60,7 @@ def _generate(llm: LLM, prompt_ids: list[list[int]]) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
     # The default LLM: the engine in a child process behind SyncMPClient.
-    llm = LLM(dtype="float32", kv_cache_memory=256 << 20, enable_prefix_caching=True)
+    llm = LLM(**FLOAT32, kv_cache_memory=256 << 20, enable_prefix_caching=True)
     assert isinstance(llm.engine_client, SyncMPClient)
     yield llm
     llm.shutdown()
@@ -73,7 +76,7 @@ def test_chunked_prefill_and_preemption_change_nothing(prompt_ids, hf_outputs) -
     # of 16 tokens cannot hold ten requests of 50-130 tokens at once: requests are preempted
     # and recomputed.
     small = LLM(
-        dtype="float32",
+        **FLOAT32,
         num_blocks_override=24,
         max_num_batched_tokens=32,
         enable_prefix_caching=False,
@@ -122,7 +125,7 @@ def test_async_client_equals_hf(prompt_ids, hf_outputs) -> None:  # type: ignore
                     pending.discard(int(out.request_id))
         return tokens
 
-    config = EngineConfig.from_kwargs(dtype="float32", kv_cache_memory=256 << 20)
+    config = EngineConfig.from_kwargs(**FLOAT32, kv_cache_memory=256 << 20)
     client = AsyncMPClient(config, MPClientOptions())
     try:
         assert asyncio.run(run(client)) == hf_outputs

@@ -29,7 +29,12 @@ def _engine_outputs(folder: Path, **engine_args: object) -> list[list[int]]:
     # In-process: these compare numerics over many model shapes; the process hop is covered
     # by test_engine_proc.py and the SmolLM2 parity test.
     llm = LLM(
-        str(folder), multiprocess=False, dtype="float32", kv_cache_memory=16 << 20, **engine_args
+        str(folder),
+        multiprocess=False,
+        dtype="float32",
+        kv_cache_dtype="float32",
+        kv_cache_memory=16 << 20,
+        **engine_args,
     )
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
