@@ -8,6 +8,10 @@ decode tokens/s against the memory-bandwidth bound. The machine ceilings are mea
 the runs they divide (GEMM peak per run pair, bandwidth before each single-stream run), since
 this machine's speed drifts.
 
+corefleet runs twice side by side: with the GGUF file's weights kept in their blocks (the
+default, ``--quantization auto``) and dequantized to ``--dtype`` at load (``none``); the
+single-stream bound of each is over the bytes of weights it reads per token.
+
     python benchmarks/offline_throughput.py --dtype float32
     python benchmarks/offline_throughput.py --dtype bfloat16 --runs 3
 """
@@ -32,9 +36,11 @@ from roofline import gemm_peak_flops, memory_bandwidth
 
 from corefleet.engine import LLM, SamplingParams
 from corefleet.engine.models.arch import ArchConfig
+from corefleet.engine.models.gguf_metadata import open_gguf
 from corefleet.engine.models.loader import load_arch_config, resolve_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+QUANTIZATIONS = ("auto", "none")  # the default (GGUF blocks) first
 
 
 def make_workload(n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
@@ -94,6 +100,11 @@ def bench_corefleet(
     return rates
 
 
+def gguf_weight_bytes(path: str) -> int:
+    """Bytes of the GGUF file's matrices as stored (the tied LM head reads the embedding)."""
+    return sum(int(t.n_bytes) for t in open_gguf(path).tensors if len(t.shape) == 2)
+
+
 def single_stream(generate_fn: Callable[[], object], new_tokens: int) -> float:
     t0 = time.perf_counter()
     generate_fn()
@@ -146,13 +157,18 @@ def main() -> None:
     # Both engines stay loaded and their measured runs alternate (corefleet, then Hugging Face
     # at its best batch size, `--runs` times): this machine's speed drifts by up to 2x within
     # minutes, and alternating puts both sides of each ratio in the same few minutes.
-    llm = LLM(
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=False,
-    )
-    bench_corefleet(llm, prompts[:4], [16] * 4, runs=1)  # warm-up
+    engines = {
+        quantization: LLM(
+            dtype=args.dtype,
+            quantization=quantization,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=False,
+        )
+        for quantization in QUANTIZATIONS
+    }
+    for engine in engines.values():
+        bench_corefleet(engine, prompts[:4], [16] * 4, runs=1)  # warm-up
     model, tokenizer = load_hf_model(model_path, dtype)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
@@ -163,16 +179,20 @@ def main() -> None:
         print(f"  HF batch {bs}: {hf_rates[bs]:.1f} tok/s", flush=True)
     # The GEMM peak is measured next to each run pair too, and MFU is taken per run.
     peak_shapes = model_gemm_shapes(arch, 512) + model_gemm_shapes(arch, 64)
-    cf_rates: list[float] = []
+    by_quantization: dict[str, list[float]] = {q: [] for q in QUANTIZATIONS}
+    cf_rates = by_quantization[QUANTIZATIONS[0]]  # the default's figures lead
     hf_runs: list[float] = []
     peaks: list[float] = []
     for run in range(args.runs):
-        cf_rates += bench_corefleet(llm, prompts, output_lens, runs=1)
+        for quantization, engine in engines.items():
+            by_quantization[quantization] += bench_corefleet(engine, prompts, output_lens, runs=1)
         peaks.append(gemm_peak_flops(peak_shapes, dtype))
         hf_runs.append(hf_throughput(model, prompts, output_lens, batch_sizes[-1], pad_id)[0])
         print(
-            f"  run {run + 1}: corefleet {cf_rates[-1]:.1f}, HF batch "
-            f"{batch_sizes[-1]} {hf_runs[-1]:.1f} tok/s, GEMM peak {peaks[-1] / 1e9:.1f} GFLOP/s",
+            f"  run {run + 1}: corefleet "
+            + ", ".join(f"{q} {rates[-1]:.1f}" for q, rates in by_quantization.items())
+            + f", HF batch {batch_sizes[-1]} {hf_runs[-1]:.1f} tok/s, GEMM peak "
+            f"{peaks[-1] / 1e9:.1f} GFLOP/s",
             flush=True,
         )
     hf_rates[batch_sizes[-1]] = statistics.median(hf_runs)
@@ -191,13 +211,17 @@ def main() -> None:
     ).element_size()
     decode_prompt = {"prompt_token_ids": prompts[0][:32]}
     decode_params = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True, temperature=0)
-    cf_decodes, cf_fracs = single_stream_vs_bandwidth(
-        lambda: llm.generate(decode_prompt, decode_params, use_tqdm=False),
-        args.decode_tokens,
-        weight_bytes,
-        runs=3,
-    )
-    llm.shutdown()
+    decodes: dict[str, tuple[list[float], list[float]]] = {}
+    for quantization, engine in engines.items():
+        read = gguf_weight_bytes(model_path) if quantization == "auto" else weight_bytes
+        decodes[quantization] = single_stream_vs_bandwidth(
+            lambda engine=engine: engine.generate(decode_prompt, decode_params, use_tqdm=False),  # type: ignore[misc]
+            args.decode_tokens,
+            read,
+            runs=3,
+        )
+        engine.shutdown()
+    cf_decodes, cf_fracs = decodes[QUANTIZATIONS[0]]
     hf_decodes, hf_fracs = single_stream_vs_bandwidth(
         lambda: hf_generate_batch(model, [prompts[0][:32]], args.decode_tokens, pad_id),
         args.decode_tokens,
@@ -210,6 +234,15 @@ def main() -> None:
     cf_frac, hf_frac = statistics.median(cf_fracs), statistics.median(hf_fracs)
 
     results.update(
+        corefleet_by_quantization={
+            q: {
+                "tok_s": statistics.median(rates),
+                "runs": rates,
+                "decode_tok_s": decodes[q][0],
+                "decode_frac": decodes[q][1],
+            }
+            for q, rates in by_quantization.items()
+        },
         corefleet_tok_s=cf_rate,
         corefleet_runs=cf_rates,
         hf_tok_s=hf_rate,
@@ -232,7 +265,7 @@ def main() -> None:
         f"\nSmolLM2-135M {args.dtype}, {args.num_prompts} prompts, {sum(output_lens)} output "
         f"tokens, {torch.get_num_threads()} threads"
     )
-    print(f"{'':24}{'corefleet':>12}{'HF':>12}")
+    print(f"{'':24}{'corefleet':>12}{'HF':>12}   (corefleet: the default, GGUF blocks)")
     print(
         f"{'output tok/s':24}{cf_rate:12.1f}{hf_rate:12.1f}   (HF best batch {hf_best_bs}; "
         f"ratio {cf_rate / hf_rate:.2f}x)"
@@ -255,6 +288,15 @@ def main() -> None:
         f"{'decode / bound':24}{cf_frac:12.1%}{hf_frac:12.1%}"
         f"   (per run {', '.join(f'{f:.1%}' for f in cf_fracs)})"
     )
+    print("\ncorefleet by --quantization (auto: GGUF blocks; none: dequantized to --dtype)")
+    for q, rates in by_quantization.items():
+        q_decodes, q_fracs = decodes[q]
+        print(
+            f"  {q:5} output {statistics.median(rates):7.1f} tok/s (runs "
+            f"{', '.join(f'{r:.1f}' for r in rates)}); 1 stream "
+            f"{statistics.median(q_decodes):6.1f} tok/s, {statistics.median(q_fracs):.1%} "
+            "of its bandwidth bound"
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 
