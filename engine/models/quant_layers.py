@@ -88,7 +88,8 @@ class QuantLinear(nn.Module):
         outs = []
         for buf in self._layout:
             bias = None if self.bias is None else self.bias.narrow(0, buf.row_start, buf.rows)
-            outs.append(self.backend.quant_linear(x, self.get_buffer(buf.name), buf.fmt, bias))
+            blocks: torch.Tensor = getattr(self, buf.name)  # get_buffer's path walk costs more
+            outs.append(self.backend.quant_linear(x, blocks, buf.fmt, bias))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
