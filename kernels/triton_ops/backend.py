@@ -1,11 +1,11 @@
 """The Triton backend: every layer op and paged attention as Triton kernels.
 
 Chosen by ``select_kernel_backend`` (``--attention-backend triton``, or ``auto`` on CUDA
-without flash-attn). Linear layers and argmax stay on ``KernelBackend``'s torch (cuBLAS
-already streams weights at bandwidth); everything between the linears is one Triton kernel
-each. Attention takes the block-table metadata (``AttentionMetadata.block_tables`` and
-friends), so the model runner builds no per-request gathers for it. Importing this module
-imports Triton.
+without flash-attn). Float linear layers and argmax stay on ``KernelBackend``'s torch (cuBLAS
+already streams weights at bandwidth); GGUF-quantized linears and embeddings read their blocks
+in Triton (``gguf_matmul.py``); everything between the linears is one Triton kernel each.
+Attention takes the block-table metadata (``AttentionMetadata.block_tables`` and friends), so
+the model runner builds no per-request gathers for it. Importing this module imports Triton.
 """
 
 from __future__ import annotations
@@ -13,19 +13,55 @@ from __future__ import annotations
 import torch
 
 from corefleet.kernels.backend import KernelBackend
+from corefleet.kernels.gguf_quant import QuantFormat
 from corefleet.kernels.metadata import AttentionMetadata
 from corefleet.kernels.triton_ops.activation import silu_and_mul
 from corefleet.kernels.triton_ops.attention import unified_attention
+from corefleet.kernels.triton_ops.gguf_matmul import (
+    FLOAT_DTYPES,
+    SUPPORTED,
+    gguf_dequantize,
+    gguf_linear,
+)
 from corefleet.kernels.triton_ops.kv_cache import write_kv_cache
 from corefleet.kernels.triton_ops.rms_norm import rms_norm
 from corefleet.kernels.triton_ops.rotary import apply_rotary
 
 
 class TritonBackend(KernelBackend):
-    """Triton kernels for norm, rotary, SiLU-and-mul, the KV-cache write and paged attention."""
+    """Triton kernels for norm, rotary, SiLU-and-mul, the KV-cache write, paged attention and
+    GGUF-quantized linears and embeddings."""
 
     name = "triton"
     needs_block_tables = True
+
+    def quant_linear(
+        self,
+        x: torch.Tensor,  # [T, K]
+        qweight: torch.Tensor,  # [N, K / block_elems * block_bytes] uint8
+        fmt: QuantFormat,
+        bias: torch.Tensor | None,  # [N]
+    ) -> torch.Tensor:  # [T, N]
+        """Dequantizes the blocks tile by tile in registers (``triton_ops/gguf_matmul.py``);
+        other dtypes, shapes or formats go to the torch reference."""
+        fits = x.dim() == 2 and x.dtype in FLOAT_DTYPES and fmt.name in SUPPORTED
+        if fits and (bias is None or bias.dtype == x.dtype):
+            return gguf_linear(x, qweight, fmt, bias)
+        return super().quant_linear(x, qweight, fmt, bias)
+
+    def quant_embedding(
+        self,
+        ids: torch.Tensor,  # [T] int64
+        qweight: torch.Tensor,  # [V, K / block_elems * block_bytes] uint8
+        fmt: QuantFormat,
+        k: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:  # [T, K] dtype
+        """The rows ``ids`` dequantized by one Triton launch (``triton_ops/gguf_matmul.py``)."""
+        fits = ids.dim() == 1 and ids.dtype == torch.int64 and dtype in FLOAT_DTYPES
+        if fits and fmt.name in SUPPORTED:
+            return gguf_dequantize(qweight, fmt, k, dtype, ids)
+        return super().quant_embedding(ids, qweight, fmt, k, dtype)
 
     def rms_norm(
         self,
