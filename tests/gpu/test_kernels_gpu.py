@@ -2,13 +2,15 @@
 
 The same matrix as ``tests/unit/triton`` (head sizes 64 and 128, GQA 1/3/4, block sizes 16 and
 32, mixed batches with empty, partial and full blocks), plus float16, and flash-attn where it is
-installed (its paged kernel takes blocks of 256 tokens). Run: ``pytest -q tests/gpu``.
+installed (its paged kernel takes blocks of 256 tokens); the GGUF matmul for every format at the
+decode, middle and prefill tiles. Run: ``pytest -q tests/gpu``.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.gpu.gpu_support import require_cuda
 
@@ -19,11 +21,14 @@ from corefleet.kernels.flash_attn import (  # noqa: E402
     FlashAttnBackend,
     flash_attn_installed,
 )
+from corefleet.kernels.gguf_quant import QuantFormat  # noqa: E402
 from corefleet.kernels.triton_ops import activation as triton_activation  # noqa: E402
 from corefleet.kernels.triton_ops import attention as triton_attention  # noqa: E402
+from corefleet.kernels.triton_ops import gguf_matmul  # noqa: E402
 from corefleet.kernels.triton_ops import rms_norm as triton_rms_norm  # noqa: E402
 from corefleet.kernels.triton_ops import rotary as triton_rotary  # noqa: E402
 from corefleet.kernels.triton_ops.backend import TritonBackend  # noqa: E402
+from tests.gguf_blocks import ALL_FORMATS, oracle_dequantize, random_qweight  # noqa: E402
 from tests.kernel_cases import (  # noqa: E402
     PagedBatch,
     assert_close,
@@ -136,3 +141,30 @@ def test_decode_batch_of_8b_shape() -> None:
         128**-0.5,
     )
     assert_close(actual, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
+def test_gguf_linear(fmt: QuantFormat, dtype: torch.dtype) -> None:
+    n, k = 1000, 2048  # 1000: a partial last column tile at every tile width
+    raw = random_qweight(fmt, n, k, seed=8)
+    weight = oracle_dequantize(raw, fmt).to(CUDA)  # [N, K] float32
+    qweight = torch.from_numpy(raw).to(CUDA)
+    rows = gguf_matmul.gguf_dequantize(qweight, fmt, k, torch.float32)
+    assert torch.equal(rows, weight)
+    ids = torch.tensor([999, 0, 5, 5], device=CUDA)
+    assert torch.equal(
+        gguf_matmul.gguf_dequantize(qweight, fmt, k, dtype, ids), weight[ids].to(dtype)
+    )
+    gen = torch.Generator().manual_seed(8)
+    bias = torch.randn(n, generator=gen).to(dtype).to(CUDA)
+    # Relative to the largest output: float32 summation order; bfloat16/float16 one rounding
+    # of the output (W rounds to the dtype as in the reference, to nearest even).
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    for m in (1, 3, 16, 40, 300):  # decode, middle and prefill tiles
+        x = torch.randn(m, k, generator=gen).to(dtype).to(CUDA)
+        expected = F.linear(x, weight.to(dtype), bias)
+        actual = gguf_matmul.gguf_linear(x, qweight, fmt, bias)
+        assert actual.dtype == dtype and actual.shape == (m, n)
+        atol = tol * expected.abs().max().item()
+        torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=0)
