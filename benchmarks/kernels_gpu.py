@@ -11,15 +11,20 @@ bandwidth measured in the same run (a large device-to-device copy, read + write 
 3. The engine's decode step (scheduler + batch preparation + forward + sampling) for an
    8B-shaped Llama with random weights, batch 64 at context 1024, as a fraction of the HBM
    roofline: (weights read per step + KV bytes per step) / peak bandwidth.
+4. The Triton GGUF matmul (weights kept in their blocks) against torch's bfloat16 matmul on the
+   dequantized weight, every format, weights [N, K] of 4096 x 4096 and 4096 x 14336, at
+   M = 1, 16 and 256 rows of x. Bandwidth = the weight's bytes (quantized or bfloat16) / time.
 
 Targets: attention >= 80 % of peak at batch >= 64; engine step >= 75 % of roofline.
 
     python benchmarks/kernels_gpu.py [--backend triton|flash-attn] [--json out.json]
+        [--part all|attention|engine|gguf]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -40,8 +45,10 @@ from corefleet.engine.messages import SamplingParams
 from corefleet.engine.models.arch import ArchConfig
 from corefleet.engine.request import Request
 from corefleet.engine.worker.model_runner import ModelRunner
-from corefleet.kernels import flash_attn
+from corefleet.kernels import flash_attn, gguf_quant
 from corefleet.kernels.triton_ops import attention as triton_attention
+from corefleet.kernels.triton_ops import gguf_matmul
+from tests.gguf_blocks import random_qweight
 
 DEVICE = torch.device("cuda")
 DTYPE = torch.bfloat16
@@ -207,43 +214,91 @@ def engine_decode_step(backend: str, batch: int, context: int, steps: int) -> di
     return {"step_s": statistics.median(times), "weight_bytes": weights, "kv_bytes": kv}
 
 
+GGUF_SHAPES = [(4096, 4096), (4096, 14336)]  # weight [N, K]: a square projection, down_proj
+GGUF_ROWS = (1, 16, 256)  # decode, a decode batch, a prefill chunk
+
+
+def bench_gguf(fmt: gguf_quant.QuantFormat, n: int, k: int) -> list[dict[str, float]]:
+    """Per M: milliseconds of ``gguf_linear`` and of a bfloat16 ``F.linear`` on the same values."""
+    qweight = torch.from_numpy(random_qweight(fmt, n, k)).to(DEVICE)  # [N, row bytes] uint8
+    weight = gguf_quant.dequantize(qweight, fmt, k).to(DTYPE)  # [N, K]
+    rows = []
+    for m in GGUF_ROWS:
+        x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
+        quant = functools.partial(gguf_matmul.gguf_linear, x, qweight, fmt)
+        bf16 = functools.partial(torch.nn.functional.linear, x, weight)
+        # A wrong kernel can be fast: check it against the bfloat16 matmul first.
+        expected = bf16()
+        error = (quant() - expected).abs().max()
+        assert error <= 2e-2 * expected.abs().max(), f"{fmt.name} M={m}: off by {error}"
+        quant_ms = triton.testing.do_bench(quant, return_mode="median")
+        bf16_ms = triton.testing.do_bench(bf16, return_mode="median")
+        rows.append({"m": m, "quant_ms": quant_ms, "bf16_ms": bf16_ms})
+    return rows
+
+
+def report_gguf(peak: float) -> list[dict[str, object]]:
+    """Part 4: every format and shape, printed and returned."""
+    print("gguf  N x K          M   quant ms  bf16 ms  speed-up  quant of peak  bf16 of peak")
+    results: list[dict[str, object]] = []
+    for fmt in gguf_quant.FORMATS.values():
+        for n, k in GGUF_SHAPES:
+            quant_bytes, bf16_bytes = n * fmt.row_bytes(k), n * k * DTYPE.itemsize
+            for row in bench_gguf(fmt, n, k):
+                quant_bw = quant_bytes / (row["quant_ms"] * 1e-3) / peak
+                bf16_bw = bf16_bytes / (row["bf16_ms"] * 1e-3) / peak
+                print(
+                    f"{fmt.name}  {n:5d} x {k:5d} {row['m']:4d} {row['quant_ms']:10.4f} "
+                    f"{row['bf16_ms']:8.4f} {row['bf16_ms'] / row['quant_ms']:8.2f}x "
+                    f"{quant_bw:13.1%} {bf16_bw:13.1%}"
+                )
+                results.append({"format": fmt.name, "n": n, "k": k} | row)
+            torch.cuda.empty_cache()
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="triton", choices=["triton", "flash-attn"])
     parser.add_argument("--steps", type=int, default=32, help="timed engine decode steps")
+    parser.add_argument("--part", default="all", choices=["all", "attention", "engine", "gguf"])
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     name = torch.cuda.get_device_name(DEVICE)
     peak = peak_bandwidth()
     print(f"{name}: peak (device copy, read + write) {peak / 1e12:.2f} TB/s")
     results: dict[str, object] = {"device": name, "peak_bytes_per_s": peak, "attention": []}
-    kernels = [("triton", bench_triton_decode)]
-    if flash_attn.flash_attn_installed():
-        kernels.append(("flash-attn", bench_flash_attn_decode))
-    else:
-        print("flash-attn: not installed, skipped")
-    print("kernel      batch  context    time ms    TB/s  of peak")
-    for kernel, bench in kernels:
-        for context in (1024, 4096):
-            for batch in (1, 16, 64, 256):
-                ms = bench(batch, context)
-                rate = _attention_bytes(batch, context) / (ms * 1e-3)
-                print(
-                    f"{kernel:10s} {batch:6d} {context:8d} {ms:10.4f} {rate / 1e12:7.2f} "
-                    f"{rate / peak:8.1%}"
-                )
-                row = {"kernel": kernel, "batch": batch, "context": context, "ms": ms}
-                results["attention"].append(row | {"of_peak": rate / peak})  # type: ignore[attr-defined]
-                torch.cuda.empty_cache()
-    step = engine_decode_step(args.backend, 64, 1024, args.steps)
-    roofline_s = (step["weight_bytes"] + step["kv_bytes"]) / peak
-    print(
-        f"engine decode step ({args.backend}, 8B-shaped, batch 64, context 1024): "
-        f"{step['step_s'] * 1e3:.2f} ms; roofline {roofline_s * 1e3:.2f} ms "
-        f"({step['weight_bytes'] / 1e9:.1f} GB weights + {step['kv_bytes'] / 1e9:.1f} GB KV); "
-        f"{roofline_s / step['step_s']:.1%} of roofline"
-    )
-    results["engine"] = step | {"roofline_s": roofline_s, "backend": args.backend}
+    if args.part in ("all", "attention"):
+        kernels = [("triton", bench_triton_decode)]
+        if flash_attn.flash_attn_installed():
+            kernels.append(("flash-attn", bench_flash_attn_decode))
+        else:
+            print("flash-attn: not installed, skipped")
+        print("kernel      batch  context    time ms    TB/s  of peak")
+        for kernel, bench in kernels:
+            for context in (1024, 4096):
+                for batch in (1, 16, 64, 256):
+                    ms = bench(batch, context)
+                    rate = _attention_bytes(batch, context) / (ms * 1e-3)
+                    print(
+                        f"{kernel:10s} {batch:6d} {context:8d} {ms:10.4f} {rate / 1e12:7.2f} "
+                        f"{rate / peak:8.1%}"
+                    )
+                    row = {"kernel": kernel, "batch": batch, "context": context, "ms": ms}
+                    results["attention"].append(row | {"of_peak": rate / peak})  # type: ignore[attr-defined]
+                    torch.cuda.empty_cache()
+    if args.part in ("all", "engine"):
+        step = engine_decode_step(args.backend, 64, 1024, args.steps)
+        roofline_s = (step["weight_bytes"] + step["kv_bytes"]) / peak
+        print(
+            f"engine decode step ({args.backend}, 8B-shaped, batch 64, context 1024): "
+            f"{step['step_s'] * 1e3:.2f} ms; roofline {roofline_s * 1e3:.2f} ms "
+            f"({step['weight_bytes'] / 1e9:.1f} GB weights + {step['kv_bytes'] / 1e9:.1f} GB KV); "
+            f"{roofline_s / step['step_s']:.1%} of roofline"
+        )
+        results["engine"] = step | {"roofline_s": roofline_s, "backend": args.backend}
+    if args.part in ("all", "gguf"):
+        results["gguf"] = report_gguf(peak)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
