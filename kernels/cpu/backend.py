@@ -1,4 +1,5 @@
-"""The ``cpu`` kernel backend: C++ ops for attention, the layer ops, small linears and argmax.
+"""The ``cpu`` kernel backend: C++ ops for attention, the layer ops, linears (float and GGUF
+blocks) and argmax.
 
 ``CpuBackend`` overrides the ``KernelBackend`` methods it accelerates and hands every input its
 ops do not take (another dtype, a head size the AVX-512 path cannot tile, non-contiguous
@@ -10,6 +11,11 @@ Attention reads K/V in place from the paged cache: the C++ op walks each row's b
 reads only the positions below the row's context length, where the torch path gathers every
 row's blocks into a padded copy. A row is one new token (a decode token, or one token of a
 prefill chunk with its own length), so one call attends a whole step.
+
+GGUF-quantized weights stay in their blocks (``kernels/gguf_quant.py``): a decode step's few
+rows multiply them with ``gguf_linear``, which dequantizes in registers as it streams the blocks
+(reading 0.56-1.06 bytes a weight instead of 2 or 4); a prefill's many rows dequantize the
+weight to x's dtype once (``gguf_dequantize``) and run torch's GEMM.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 
 from corefleet.kernels.backend import KernelBackend
 from corefleet.kernels.cpu.loader import load_cpu_ops
+from corefleet.kernels.gguf_quant import QuantFormat
 from corefleet.kernels.metadata import AttentionMetadata
 
 
@@ -47,6 +54,22 @@ def paged_attention(
 # from memory, as in a decode step (docs/kernels.md has the measurements).
 _SMALL_LINEAR_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 64}
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ ops are built for
+# Row counts up to which gguf_linear beats dequantizing the weight for torch's GEMM (both
+# dtypes; docs/kernels.md has the measurements).
+GGUF_LINEAR_MAX_ROWS = 64
+# The GGUF formats the C++ ops decode (csrc/gguf_blocks.h), by ggml type id: Q4_0, Q4_1, Q8_0,
+# Q4_K, Q5_K, Q6_K.
+_GGUF_OP_TYPES = frozenset({2, 3, 8, 12, 13, 14})
+
+
+def _gguf_op_takes(qweight: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype) -> bool:
+    """Whether the GGUF ops take this weight (its format and layout) and activation dtype."""
+    return (
+        dtype in _FUSED_DTYPES
+        and fmt.ggml_type in _GGUF_OP_TYPES
+        and qweight.dtype == torch.uint8
+        and qweight.dim() == 2
+    )
 
 
 class CpuBackend(KernelBackend):
@@ -79,6 +102,45 @@ class CpuBackend(KernelBackend):
             out: torch.Tensor = self._ops.small_linear(x, weight, bias)
             return out
         return super().linear(x, weight, bias)
+
+    def quant_linear(
+        self,
+        x: torch.Tensor,  # [T, K]
+        qweight: torch.Tensor,  # [N, K / block_elems * block_bytes] uint8, GGUF blocks
+        fmt: QuantFormat,
+        bias: torch.Tensor | None,  # [N], x's dtype
+    ) -> torch.Tensor:  # [T, N], x's dtype
+        """A few rows stream the blocks through ``gguf_linear``; more dequantize the weight to
+        x's dtype once for torch's GEMM (float16 and other formats: the reference)."""
+        if (
+            not _gguf_op_takes(qweight, fmt, x.dtype)
+            or x.dim() != 2
+            or (bias is not None and bias.dtype != x.dtype)
+        ):
+            return super().quant_linear(x, qweight, fmt, bias)
+        qweight = qweight.contiguous()  # a no-op for the loader's weights
+        if x.shape[0] <= GGUF_LINEAR_MAX_ROWS:
+            b = None if bias is None else bias.contiguous()
+            out: torch.Tensor = self._ops.gguf_linear(x.contiguous(), qweight, fmt.ggml_type, b)
+            return out
+        weight = self._ops.gguf_dequantize(qweight, fmt.ggml_type, x.shape[1], x.dtype)
+        return torch.nn.functional.linear(x, weight, bias)
+
+    def quant_embedding(
+        self,
+        ids: torch.Tensor,  # [T] int64, each in [0, V)
+        qweight: torch.Tensor,  # [V, K / block_elems * block_bytes] uint8, GGUF blocks
+        fmt: QuantFormat,
+        k: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:  # [T, K] dtype
+        """The selected rows' blocks, dequantized by ``gguf_dequantize`` (exactly the
+        reference's values)."""
+        if not _gguf_op_takes(qweight, fmt, dtype):
+            return super().quant_embedding(ids, qweight, fmt, k, dtype)
+        rows = qweight.index_select(0, ids)  # [T, row_bytes], contiguous
+        out: torch.Tensor = self._ops.gguf_dequantize(rows, fmt.ggml_type, k, dtype)
+        return out
 
     def rms_norm(
         self,
