@@ -26,7 +26,8 @@ OUT_FEATURES = [1, 7, 33, 100]  # a partial tile only; full tiles and a remainde
 
 
 def block_counts(fmt: QuantFormat) -> list[int]:
-    return [1, 2, 3, 5] if fmt.block_elems == 32 else [1, 2, 3]
+    """K in blocks: one block up to several 512-value chunks (the decoded tile's) and a part."""
+    return [1, 2, 3, 5, 16, 17, 33] if fmt.block_elems == 32 else [1, 2, 3, 5]
 
 
 def case(
@@ -89,7 +90,8 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch(
 ) -> None:
     """Each output is summed in the same order whichever path (registers, decoded tile) and
     tile shape the batch size picks: a request's logits are the same in any batch."""
-    qweight, _, k = case(fmt, 131, 2, seed=5)  # [131, row_bytes]: uneven sub-bands, remainder
+    blocks = 20 if fmt.block_elems == 32 else 3  # K = 640 or 768: a chunk and a part
+    qweight, _, k = case(fmt, 131, blocks, seed=5)  # [131, .]: uneven sub-bands, remainder
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(1)).to(dtype)  # [M, K]
     batch = OPS.gguf_linear(x, qweight, fmt.ggml_type, None)
     for rows in (1, 2, 3, 4, 5, 30):

@@ -9,7 +9,8 @@
 //   Q4_0  32 values, 18 bytes:  d, nibbles[16] (byte j: values j, j+16)  value = d * (q - 8)
 //   Q4_1  32 values, 20 bytes:  d, m, nibbles as Q4_0                   value = d * q + m
 //   Q4_K  256 values, 144 bytes: d, dmin, scales[12] (eight 6-bit scales and mins),
-//         nibbles[128] (32-byte group g: sub-block 2g low, 2g+1 high)  value = (d*sc[s]) * q - dmin*mn[s]
+//         nibbles[128] (32-byte group g: sub-block 2g low, 2g+1 high)
+//         value = (d * sc[s]) * q - dmin * mn[s]
 //   Q5_K  256 values, 176 bytes: as Q4_K with qh[32] before the nibbles (bit s of qh[j]: the
 //         fifth bit of value j of sub-block s)
 //   Q6_K  256 values, 210 bytes: ql[128], qh[64], int8 scales[16] (one per 16 values), d

@@ -13,21 +13,22 @@
 // or 4 (float32): read as blocks and dequantized in registers, the layer costs a fraction of
 // the float one. Dequantizing to a float copy first would write and read that copy instead.
 //
-// How: each thread takes a band of weight rows and walks it in tiles of eight rows, as
-// small_linear does (sub-bands side by side for up to 24 x rows, so the thread reads eight long
-// sequential streams; adjacent rows, prefetched, above). With up to kDirectMaxRows x rows, each
-// block of each tile row is decoded into vectors (gguf_blocks_avx512.h) and every vector is
-// multiplied at once by all x rows: the dequantized weights never leave the registers. With
-// more x rows, decoding once per x row would cost more than the multiplies, so the tile's rows
-// are decoded once into an L1/L2 scratch and the float products run over it, three x rows per
-// pass (small_linear's tile_dots).
+// How: each thread takes a band of weight rows and walks it in tiles of eight rows, one from
+// each of eight sub-bands, so that it reads eight long sequential streams (as small_linear does
+// for a few x rows), each prefetched 2 KiB ahead. With up to three x rows (two for the
+// K-quants), each block of each tile row is decoded into vectors (gguf_blocks_avx512.h) and
+// every vector multiplied at once by all x rows: the dequantized weights never leave the
+// registers. With more x rows, decoding once per pass over x would cost more than the
+// multiplies, so the tile is decoded 512 values at a time into an L1 scratch, and each chunk is
+// multiplied by every x row, three at a time, the accumulators kept between chunks (the
+// multiply loop is small_linear's tile_dots).
 //
-// Numerics: the activations stay float (bfloat16 x is widened exactly): no int8 quantization
-// of x, so the result is the float product with the dequantized weights up to summation order.
-// The weights are the dequantized values (a fused multiply-add may round Q4_1/Q4_K/Q5_K's
-// offset once where gguf_dequantize rounds twice). Each output is a float32 sum over K in
-// memory order, 16 partial sums reduced in a fixed order (reduce_each): the same whichever path,
-// tile shape or thread computes it, so results depend neither on the thread count nor on which
+// Numerics: the activations stay float (bfloat16 x is widened exactly): no int8 quantization of
+// x, so the result is the float product with the dequantized weights up to summation order.
+// The weights are the dequantized values (a fused multiply-add may round Q4_1/Q4_K/Q5_K's offset
+// once where gguf_dequantize rounds twice). Each output is a float32 sum over K in memory
+// order, 16 partial sums reduced in a fixed order (reduce_each): the same whichever path, tile
+// shape or thread computes it, so results depend neither on the thread count nor on which
 // other rows are in the batch.
 
 #include <ATen/core/Tensor.h>
@@ -51,12 +52,34 @@ namespace {
 
 using gguf::Fused;
 
-constexpr int64_t kRowsPerTile = 8;         // weight rows streamed together
-constexpr int64_t kDirectMaxRows = 4;       // x rows up to which weights stay in registers
-constexpr int64_t kMaxRowsSideBySide = 24;  // x rows up to which a tile takes rows from sub-bands
-constexpr int64_t kLanes = 16;              // floats per partial-sum vector
+constexpr int64_t kRowsPerTile = 8;       // weight rows streamed together
+constexpr int64_t kChunk = 512;           // K values a decoded tile holds: 8 x 512 floats, 16 KiB
+constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of each row's stream to prefetch
+constexpr int64_t kLanes = 16;            // floats per partial-sum vector
+// Row strides of the decoded tile and of x on that path: one vector more than the row, so that
+// rows a power of two apart do not all map to the same L1 sets.
+constexpr int64_t kScratchStride = kChunk + kLanes;
+
+// x rows up to which a tile is decoded in registers (one pass over x); above, into the L1
+// scratch. Measured: the table-decoded 32-value formats gain from registers up to 3 rows, the
+// K-quants (a costlier decode) are even at 2 and lose at 3.
+template <typename F>
+constexpr int64_t kDirectRows = F::kElems == 32 ? 3 : 2;
 
 #if defined(__AVX512F__)
+// Block b of a row: prefetch the line(s) kPrefetchBytes further on, once per line. The
+// hardware prefetcher alone leaves the eight streams short of data: measured 1.2-1.4x faster
+// with it at one x row (docs/kernels.md).
+template <typename F>
+inline void prefetch_ahead(const uint8_t* row, int64_t b) {
+  const uint8_t* ahead = row + b * F::kBytes + kPrefetchBytes;
+  if constexpr (F::kBytes >= 64) {
+    for (int64_t off = 0; off < F::kBytes; off += 64) __builtin_prefetch(ahead + off, 0, 3);
+  } else if ((b * F::kBytes) / 64 != ((b + 1) * F::kBytes) / 64) {  // the block ends a line
+    __builtin_prefetch(ahead, 0, 3);
+  }
+}
+
 // dots[j * R + r] = <W row r, x row j> for R quantized rows row_step bytes apart and MM float32
 // x rows of K values: every decoded vector meets all MM x rows while it is in a register.
 // R and MM are template parameters so the R * MM accumulators stay in registers.
@@ -69,6 +92,7 @@ inline void direct_dots(const uint8_t* w, int64_t row_step, int64_t blocks, cons
     const float* xb = x + b * F::kElems;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
+      prefetch_ahead<F>(w + r * row_step, b);
       gguf::decode16<Fused>(F{}, w + r * row_step + b * F::kBytes, [&](int v, __m512 wv) {
 #pragma GCC unroll 4
         for (int j = 0; j < MM; ++j) {
@@ -81,36 +105,48 @@ inline void direct_dots(const uint8_t* w, int64_t row_step, int64_t blocks, cons
   reduce_each(acc, dots);
 }
 
-// R quantized rows, row_step bytes apart, decoded into scratch [R, K] float32.
+// R quantized rows, row_step bytes apart: `blocks` blocks each into scratch [R, kScratchStride].
 template <typename F, int R>
 inline void decode_rows(const uint8_t* w, int64_t row_step, int64_t blocks, float* scratch) {
-  const int64_t k = blocks * F::kElems;
   for (int r = 0; r < R; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
-      float* dst = scratch + r * k + b * F::kElems;
+      prefetch_ahead<F>(w + r * row_step, b);
+      float* dst = scratch + r * kScratchStride + b * F::kElems;
       gguf::decode16<Fused>(F{}, w + r * row_step + b * F::kBytes,
                             [&](int v, __m512 wv) { _mm512_storeu_ps(dst + kLanes * v, wv); });
     }
   }
 }
 
-// dots[j * R + r] = <wf row r, x row j> for R decoded rows [R, K] and MM x rows; the products
-// in the same order as direct_dots, so the two paths give the same bits.
+// acc[j * R + r] += the products of decoded rows wf [R, kc] (kScratchStride apart) and MM x rows
+// (x_stride apart) over one chunk of kc values, in the order direct_dots makes them: the two
+// paths give the same bits. The accumulators live in acc_mem between chunks (exactly).
 template <int R, int MM>
-inline void scratch_dots(const float* wf, int64_t k, const float* x, float* dots) {
+inline void chunk_dots(const float* wf, int64_t kc, const float* x, int64_t x_stride,
+                       __m512* acc_mem) {
   __m512 acc[R * MM];
-  for (int i = 0; i < R * MM; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; i += kLanes) {
+  for (int i = 0; i < R * MM; ++i) acc[i] = acc_mem[i];
+  for (int64_t i = 0; i < kc; i += kLanes) {
     __m512 xv[MM];
 #pragma GCC unroll 4
-    for (int j = 0; j < MM; ++j) xv[j] = _mm512_loadu_ps(x + j * k + i);
+    for (int j = 0; j < MM; ++j) xv[j] = _mm512_loadu_ps(x + j * x_stride + i);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512 wv = _mm512_loadu_ps(wf + r * k + i);
+      __m512 wv = _mm512_load_ps(wf + r * kScratchStride + i);
+      // Loaded once for the MM multiplies: GCC would fold the load into each FMA instead, and
+      // the loads then outnumber the FMAs (measured 7 % slower).
+      __asm__("" : "+v"(wv));
 #pragma GCC unroll 4
       for (int j = 0; j < MM; ++j) acc[j * R + r] = _mm512_fmadd_ps(wv, xv[j], acc[j * R + r]);
     }
   }
+  for (int i = 0; i < R * MM; ++i) acc_mem[i] = acc[i];
+}
+
+template <int N>
+inline void reduce_mem(const __m512* acc_mem, float* dots) {
+  __m512 acc[N];
+  for (int i = 0; i < N; ++i) acc[i] = acc_mem[i];
   reduce_each(acc, dots);
 }
 #endif
@@ -120,9 +156,9 @@ template <typename T>
 struct Problem {
   const uint8_t* w;  // [N, row_bytes]
   const T* bias;     // [N] or nullptr
-  const float* x;    // [M, K]
+  const float* x;    // [M, x_stride], K values a row
   T* out;            // [M, N]
-  int64_t m, k, n, row_bytes;
+  int64_t m, k, n, row_bytes, x_stride;
 };
 
 // out[m0 + j, row0 + r * step] = dots[j * R + r] + bias for the tile's R rows and MM x rows.
@@ -139,77 +175,78 @@ inline void store_tile(const Problem<T>& p, const float* dots, int64_t row0, int
 }
 
 #if defined(__AVX512F__)
-// One tile of R weight rows (row0, row0 + step, ...) against every x row. `next` (or nullptr):
-// the next tile's bytes, prefetched a share per pass over x on the scratch path.
+// One tile of R weight rows (row0, row0 + step, ...) against every x row. Up to kDirectRows x
+// rows: decoded in registers, one pass. More: the tile decoded kChunk values at a time into
+// `scratch` [R, kScratchStride] (64-byte aligned) and each chunk multiplied by every x row,
+// three at a time, the R * M accumulators kept in `acc_mem` [M * R] between chunks.
 template <typename F, typename T, int R>
-void tile(const Problem<T>& p, int64_t row0, int64_t step, float* scratch, const uint8_t* next) {
-  const int64_t blocks = p.k / F::kElems;
+void tile(const Problem<T>& p, int64_t row0, int64_t step, float* scratch, __m512* acc_mem) {
+  const int64_t row_step = step * p.row_bytes;
   const uint8_t* w = p.w + row0 * p.row_bytes;
   float dots[R * 3];
-  if (p.m <= kDirectMaxRows) {
-    switch (p.m) {
-      case 1: direct_dots<F, R, 1>(w, step * p.row_bytes, blocks, p.x, p.k, dots); break;
-      case 2: direct_dots<F, R, 2>(w, step * p.row_bytes, blocks, p.x, p.k, dots); break;
-      case 3: direct_dots<F, R, 3>(w, step * p.row_bytes, blocks, p.x, p.k, dots); break;
-      default: break;
-    }
-    if (p.m == 4) {  // two x rows at a time: four would spill the accumulators at R = 8
-      direct_dots<F, R, 2>(w, step * p.row_bytes, blocks, p.x, p.k, dots);
-      store_tile<T, R, 2>(p, dots, row0, step, 0);
-      direct_dots<F, R, 2>(w, step * p.row_bytes, blocks, p.x + 2 * p.k, p.k, dots);
-      store_tile<T, R, 2>(p, dots, row0, step, 2);
+  switch (p.m) {
+    case 1:
+      direct_dots<F, R, 1>(w, row_step, p.k / F::kElems, p.x, p.x_stride, dots);
+      store_tile<T, R, 1>(p, dots, row0, step, 0);
       return;
-    }
-    switch (p.m) {
-      case 1: store_tile<T, R, 1>(p, dots, row0, step, 0); break;
-      case 2: store_tile<T, R, 2>(p, dots, row0, step, 0); break;
-      default: store_tile<T, R, 3>(p, dots, row0, step, 0); break;
-    }
-    return;
+    case 2:
+      direct_dots<F, R, 2>(w, row_step, p.k / F::kElems, p.x, p.x_stride, dots);
+      store_tile<T, R, 2>(p, dots, row0, step, 0);
+      return;
+    case 3:
+      if (kDirectRows<F> < 3) break;
+      direct_dots<F, R, 3>(w, row_step, p.k / F::kElems, p.x, p.x_stride, dots);
+      store_tile<T, R, 3>(p, dots, row0, step, 0);
+      return;
+    default: break;
   }
-  decode_rows<F, R>(w, step * p.row_bytes, blocks, scratch);
-  const int64_t passes = (p.m + 2) / 3;
-  const int64_t prefetch_per_pass = next == nullptr ? 0 : (R * p.row_bytes / passes + 63) / 64;
-  for (int64_t m0 = 0; m0 < p.m;) {
-    for (int64_t line = 0; line < prefetch_per_pass; ++line) {
-      __builtin_prefetch(next + 64 * line, 0, 3);
+  for (int64_t i = 0; i < p.m * R; ++i) acc_mem[i] = _mm512_setzero_ps();
+  for (int64_t c0 = 0; c0 < p.k; c0 += kChunk) {
+    const int64_t kc = std::min(kChunk, p.k - c0);  // whole blocks: kChunk is a multiple of 256
+    decode_rows<F, R>(w + c0 / F::kElems * F::kBytes, row_step, kc / F::kElems, scratch);
+    const int64_t stride = p.x_stride;
+    const float* xs = p.x + c0;
+    int64_t m0 = 0;
+    for (; m0 + 3 <= p.m; m0 += 3) {
+      chunk_dots<R, 3>(scratch, kc, xs + m0 * stride, stride, acc_mem + m0 * R);
     }
-    next += 64 * prefetch_per_pass;
-    const float* xs = p.x + m0 * p.k;
-    if (p.m - m0 >= 3) {
-      scratch_dots<R, 3>(scratch, p.k, xs, dots);
-      store_tile<T, R, 3>(p, dots, row0, step, m0);
-      m0 += 3;
-    } else if (p.m - m0 == 2) {
-      scratch_dots<R, 2>(scratch, p.k, xs, dots);
-      store_tile<T, R, 2>(p, dots, row0, step, m0);
-      m0 += 2;
-    } else {
-      scratch_dots<R, 1>(scratch, p.k, xs, dots);
-      store_tile<T, R, 1>(p, dots, row0, step, m0);
-      m0 += 1;
-    }
+    if (p.m - m0 == 2) chunk_dots<R, 2>(scratch, kc, xs + m0 * stride, stride, acc_mem + m0 * R);
+    if (p.m - m0 == 1) chunk_dots<R, 1>(scratch, kc, xs + m0 * stride, stride, acc_mem + m0 * R);
+  }
+  int64_t m0 = 0;
+  for (; m0 + 3 <= p.m; m0 += 3) {
+    reduce_mem<R * 3>(acc_mem + m0 * R, dots);
+    store_tile<T, R, 3>(p, dots, row0, step, m0);
+  }
+  if (p.m - m0 == 2) {
+    reduce_mem<R * 2>(acc_mem + m0 * R, dots);
+    store_tile<T, R, 2>(p, dots, row0, step, m0);
+  } else if (p.m - m0 == 1) {
+    reduce_mem<R>(acc_mem + m0 * R, dots);
+    store_tile<T, R, 1>(p, dots, row0, step, m0);
   }
 }
 
-// One thread's band of weight rows [r0, r1), as small_linear's band: kRowsPerTile sub-bands
-// side by side for up to kMaxRowsSideBySide x rows, adjacent tiles above; the fewer than
-// kRowsPerTile rows left over one by one.
+// One thread's band of weight rows [r0, r1): kRowsPerTile sub-bands walked side by side, so
+// that the thread reads eight long sequential streams (small_linear's band; a tile's quantized
+// bytes are read once whatever M, so the tiles of adjacent rows small_linear takes for many x
+// rows bring nothing here); the fewer than kRowsPerTile rows left over one by one.
 template <typename F, typename T>
 void band(const Problem<T>& p, int64_t r0, int64_t r1) {
-  thread_local std::vector<float> scratch;  // [kRowsPerTile, K]; kept: no page faults per call
-  if (p.m > kDirectMaxRows) scratch.resize(static_cast<size_t>(kRowsPerTile * p.k));
+  // Kept per thread: no allocation (and no page faults) per call.
+  thread_local std::vector<__m512> scratch;  // [kRowsPerTile, kScratchStride] floats
+  thread_local std::vector<__m512> acc_mem;  // [M, kRowsPerTile]
+  if (p.m > kDirectRows<F>) {
+    scratch.resize(static_cast<size_t>(kRowsPerTile * kScratchStride / kLanes));
+    acc_mem.resize(static_cast<size_t>(kRowsPerTile * p.m));
+  }
   const int64_t tiles = (r1 - r0) / kRowsPerTile;
-  const bool side_by_side = p.m <= kMaxRowsSideBySide;
-  const int64_t step = side_by_side ? tiles : 1;
   for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t row0 = side_by_side ? r0 + t : r0 + t * kRowsPerTile;
-    const bool prefetch = !side_by_side && t + 1 < tiles;
-    const uint8_t* next = prefetch ? p.w + (row0 + kRowsPerTile) * p.row_bytes : nullptr;
-    tile<F, T, kRowsPerTile>(p, row0, step, scratch.data(), next);
+    tile<F, T, kRowsPerTile>(p, r0 + t, tiles, reinterpret_cast<float*>(scratch.data()),
+                             acc_mem.data());
   }
   for (int64_t row = r0 + tiles * kRowsPerTile; row < r1; ++row) {
-    tile<F, T, 1>(p, row, 1, scratch.data(), nullptr);
+    tile<F, T, 1>(p, row, 1, reinterpret_cast<float*>(scratch.data()), acc_mem.data());
   }
 }
 #else
@@ -225,7 +262,7 @@ void band(const Problem<T>& p, int64_t r0, int64_t r1) {
                                 row.data() + b * F::kElems);
     }
     for (int64_t j = 0; j < p.m; ++j) {
-      const float* x = p.x + j * p.k;
+      const float* x = p.x + j * p.x_stride;
       float partial[kLanes] = {};
       for (int64_t i = 0; i < p.k; i += kLanes) {  // K is a multiple of 32
         for (int64_t l = 0; l < kLanes; ++l) partial[l] += row[i + l] * x[i + l];
@@ -248,16 +285,25 @@ void gguf_linear_kernel(const at::Tensor& x, const at::Tensor& qweight,
                x.size(0),
                x.size(1),
                qweight.size(0),
-               qweight.size(1)};
-  // x widened to float32 once: [M, K], a few KB that every thread reads from cache.
-  std::vector<float> xf;
-  if constexpr (std::is_same_v<T, float>) {
+               qweight.size(1),
+               x.size(1)};
+  // x as float32 [M, x_stride]: bfloat16 widened once (a few KB that every thread reads from
+  // cache); on the decoded-tile path copied to rows padded by one vector (see kScratchStride).
+  // (torch's allocator aligns it to 64 bytes: a vector load that splits across two cache
+  // lines costs two.)
+  at::Tensor xf;
+  const bool pad = p.m > kDirectRows<F>;
+  if (std::is_same_v<T, float> && !pad) {
     p.x = x.data_ptr<float>();
   } else {
-    xf.resize(static_cast<size_t>(p.m * p.k));
+    p.x_stride = pad ? p.k + kLanes : p.k;
+    xf = at::empty({p.m, p.x_stride}, x.options().dtype(at::kFloat));
+    float* dst = xf.data_ptr<float>();
     const T* xs = x.data_ptr<T>();
-    for (int64_t i = 0; i < p.m * p.k; ++i) xf[i] = widen(xs[i]);
-    p.x = xf.data();
+    for (int64_t j = 0; j < p.m; ++j) {
+      for (int64_t i = 0; i < p.k; ++i) dst[j * p.x_stride + i] = widen(xs[j * p.k + i]);
+    }
+    p.x = dst;
   }
   // Bands of at least 64 rows, as small_linear: small per-band overhead next to the rows'
   // bytes, and work for both cores on the smallest projections.
