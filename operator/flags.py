@@ -29,6 +29,12 @@ def engine_args(spec: EngineSpec) -> list[str]:
         args += ["--served-model-name", m.served_model_name]
     if m.max_model_len is not None:
         args += ["--max-model-len", str(m.max_model_len)]
+    # Left out at their defaults, so that an operator upgrade does not change the ranks' spec
+    # hash (and roll every fleet) for flags nobody set.
+    if m.quantization != "auto":
+        args += ["--quantization", m.quantization]
+    if e.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", e.kv_cache_dtype]
     args += ["--max-num-seqs", str(e.max_num_seqs)]
     if e.max_num_batched_tokens is not None:
         args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]

@@ -44,6 +44,7 @@ class ModelSpec:
     volume: Mapping[str, Any] | None = None  # one Kubernetes volume source, verbatim
     served_model_name: str | None = None
     dtype: str = "auto"
+    quantization: str = "auto"  # auto | gguf | none
     max_model_len: int | None = None
 
 
@@ -57,6 +58,7 @@ class EngineOptions:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    kv_cache_dtype: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +167,7 @@ def _model(raw: Mapping[str, Any]) -> ModelSpec:
         dtype=_choice(
             raw, "dtype", "spec.model", "auto", {"auto", "float32", "float16", "bfloat16"}
         ),
+        quantization=_choice(raw, "quantization", "spec.model", "auto", {"auto", "gguf", "none"}),
         max_model_len=_int(raw, "maxModelLen", "spec.model", None, 1),
     )
 
@@ -177,6 +180,9 @@ def _engine(raw: Mapping[str, Any], model: ModelSpec) -> EngineOptions:
         gpu_memory_utilization=float(raw.get("gpuMemoryUtilization", 0.9)),
         enable_prefix_caching=_bool(raw, "enablePrefixCaching", "spec.engine", True),
         enable_chunked_prefill=_bool(raw, "enableChunkedPrefill", "spec.engine", True),
+        kv_cache_dtype=_choice(
+            raw, "kvCacheDtype", "spec.engine", "auto", {"auto", "float32", "float16", "bfloat16"}
+        ),
     )
     if not 0 < opts.gpu_memory_utilization <= 1:
         raise InvalidSpec("spec.engine.gpuMemoryUtilization must be in (0, 1]")

@@ -12,7 +12,7 @@ from corefleet.operator import resources
 from corefleet.operator.curve import CurveKeyPair, CurveKeys
 from corefleet.operator.flags import engine_args, termination_grace_seconds
 from corefleet.operator.naming import Owner, spec_hash
-from corefleet.operator.spec import parse_spec
+from corefleet.operator.spec import InvalidSpec, parse_spec
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 OWNER = Owner(name="llama", namespace="prod", uid="0b1c2d3e-uid")
@@ -112,6 +112,25 @@ def test_engine_flags_follow_the_spec():
     flags = engine_args(abort)
     assert flags[-2:] == ["--shutdown-mode", "abort"] and "--no-enable-prefix-caching" in flags
     assert "--data-parallel-size" not in flags
+
+
+def test_quantization_and_kv_cache_dtype_reach_the_ranks_only_when_set():
+    quantized = parse_spec(
+        {
+            "image": "i",
+            "model": {"path": "/m.gguf", "quantization": "none"},
+            "engine": {"kvCacheDtype": "float32"},
+        }
+    )
+    flags = engine_args(quantized)
+    assert flags[flags.index("--quantization") + 1] == "none"
+    assert flags[flags.index("--kv-cache-dtype") + 1] == "float32"
+    defaults = engine_args(parse_spec({"image": "i", "model": {"path": "/m.gguf"}}))
+    assert "--quantization" not in defaults and "--kv-cache-dtype" not in defaults
+    with pytest.raises(InvalidSpec, match="quantization"):
+        parse_spec({"image": "i", "model": {"path": "/m", "quantization": "awq"}})
+    with pytest.raises(InvalidSpec, match="kvCacheDtype"):
+        parse_spec({"image": "i", "model": {"path": "/m"}, "engine": {"kvCacheDtype": "fp8"}})
 
 
 def test_grace_period_is_the_drain_timeout_plus_a_margin():
