@@ -23,13 +23,17 @@
 // multiplied by every x row, three at a time, the accumulators kept between chunks (the
 // multiply loop is small_linear's tile_dots).
 //
-// Numerics: the activations stay float (bfloat16 x is widened exactly): no int8 quantization of
-// x, so the result is the float product with the dequantized weights up to summation order.
-// The weights are the dequantized values (a fused multiply-add may round Q4_1/Q4_K/Q5_K's offset
-// once where gguf_dequantize rounds twice). Each output is a float32 sum over K in memory
-// order, 16 partial sums reduced in a fixed order (reduce_each): the same whichever path, tile
-// shape or thread computes it, so results depend neither on the thread count nor on which
-// other rows are in the batch.
+// Numerics: the activations stay float: no int8 quantization of x, so the result is the float
+// product with the dequantized weights up to summation order, accumulated in float32. float32 x
+// multiplies the float32 dequantized values (a fused multiply-add may round Q4_1/Q4_K/Q5_K's
+// offset once where gguf_dequantize rounds twice). bfloat16 x, on a CPU with AVX512-BF16,
+// multiplies the weights rounded to bfloat16, exactly the weights of the reference backend and
+// of the prefill path (dequantize to x's dtype, then torch's GEMM), in pairs by vdpbf16ps (exact
+// products, twice the multiplies per instruction; gguf_linear_tiles.h); elsewhere it is widened
+// and takes the float32 path. Each output is a float32 sum over K in memory order, 16 partial
+// sums reduced in a fixed order (reduce_each): the same whichever path, tile shape or thread
+// computes it, so results depend neither on the thread count nor on which other rows are in
+// the batch.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -38,27 +42,20 @@
 #include <torch/library.h>
 
 #include "gguf_blocks.h"
-#include "gguf_blocks_avx512.h"
+#include "gguf_linear_tiles.h"
 #include "parallel.h"
 #include "scalar.h"
-#include "vec_avx512.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace corefleet {
 namespace {
 
-using gguf::Fused;
-
-constexpr int64_t kRowsPerTile = 8;       // weight rows streamed together
-constexpr int64_t kChunk = 512;           // K values a decoded tile holds: 8 x 512 floats, 16 KiB
-constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of each row's stream to prefetch
-constexpr int64_t kLanes = 16;            // floats per partial-sum vector
-// Row strides of the decoded tile and of x on that path: one vector more than the row, so that
-// rows a power of two apart do not all map to the same L1 sets.
-constexpr int64_t kScratchStride = kChunk + kLanes;
+constexpr int64_t kRowsPerTile = 8;  // weight rows streamed together
+constexpr int64_t kLanes = 16;       // floats per partial-sum vector
 
 // x rows up to which a tile is decoded in registers (one pass over x); above, into the L1
 // scratch. Measured: the table-decoded 32-value formats gain from registers up to 3 rows, the
@@ -66,104 +63,20 @@ constexpr int64_t kScratchStride = kChunk + kLanes;
 template <typename F>
 constexpr int64_t kDirectRows = F::kElems == 32 ? 3 : 2;
 
-#if defined(__AVX512F__)
-// Block b of a row: prefetch the line(s) kPrefetchBytes further on, once per line. The
-// hardware prefetcher alone leaves the eight streams short of data: measured 1.2-1.4x faster
-// with it at one x row (docs/kernels.md).
-template <typename F>
-inline void prefetch_ahead(const uint8_t* row, int64_t b) {
-  const uint8_t* ahead = row + b * F::kBytes + kPrefetchBytes;
-  if constexpr (F::kBytes >= 64) {
-    for (int64_t off = 0; off < F::kBytes; off += 64) __builtin_prefetch(ahead + off, 0, 3);
-  } else if ((b * F::kBytes) / 64 != ((b + 1) * F::kBytes) / 64) {  // the block ends a line
-    __builtin_prefetch(ahead, 0, 3);
-  }
-}
-
-// dots[j * R + r] = <W row r, x row j> for R quantized rows row_step bytes apart and MM float32
-// x rows of K values: every decoded vector meets all MM x rows while it is in a register.
-// R and MM are template parameters so the R * MM accumulators stay in registers.
-template <typename F, int R, int MM>
-inline void direct_dots(const uint8_t* w, int64_t row_step, int64_t blocks, const float* x,
-                        int64_t k, float* dots) {
-  __m512 acc[R * MM];  // [j * R + r], the order of dots
-  for (int i = 0; i < R * MM; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const float* xb = x + b * F::kElems;
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      prefetch_ahead<F>(w + r * row_step, b);
-      gguf::decode16<Fused>(F{}, w + r * row_step + b * F::kBytes, [&](int v, __m512 wv) {
-#pragma GCC unroll 4
-        for (int j = 0; j < MM; ++j) {
-          acc[j * R + r] =
-              _mm512_fmadd_ps(wv, _mm512_loadu_ps(xb + j * k + kLanes * v), acc[j * R + r]);
-        }
-      });
-    }
-  }
-  reduce_each(acc, dots);
-}
-
-// R quantized rows, row_step bytes apart: `blocks` blocks each into scratch [R, kScratchStride].
-template <typename F, int R>
-inline void decode_rows(const uint8_t* w, int64_t row_step, int64_t blocks, float* scratch) {
-  for (int r = 0; r < R; ++r) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      prefetch_ahead<F>(w + r * row_step, b);
-      float* dst = scratch + r * kScratchStride + b * F::kElems;
-      gguf::decode16<Fused>(F{}, w + r * row_step + b * F::kBytes,
-                            [&](int v, __m512 wv) { _mm512_storeu_ps(dst + kLanes * v, wv); });
-    }
-  }
-}
-
-// acc[j * R + r] += the products of decoded rows wf [R, kc] (kScratchStride apart) and MM x rows
-// (x_stride apart) over one chunk of kc values, in the order direct_dots makes them: the two
-// paths give the same bits. The accumulators live in acc_mem between chunks (exactly).
-template <int R, int MM>
-inline void chunk_dots(const float* wf, int64_t kc, const float* x, int64_t x_stride,
-                       __m512* acc_mem) {
-  __m512 acc[R * MM];
-  for (int i = 0; i < R * MM; ++i) acc[i] = acc_mem[i];
-  for (int64_t i = 0; i < kc; i += kLanes) {
-    __m512 xv[MM];
-#pragma GCC unroll 4
-    for (int j = 0; j < MM; ++j) xv[j] = _mm512_loadu_ps(x + j * x_stride + i);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      __m512 wv = _mm512_load_ps(wf + r * kScratchStride + i);
-      // Loaded once for the MM multiplies: GCC would fold the load into each FMA instead, and
-      // the loads then outnumber the FMAs (measured 7 % slower).
-      __asm__("" : "+v"(wv));
-#pragma GCC unroll 4
-      for (int j = 0; j < MM; ++j) acc[j * R + r] = _mm512_fmadd_ps(wv, xv[j], acc[j * R + r]);
-    }
-  }
-  for (int i = 0; i < R * MM; ++i) acc_mem[i] = acc[i];
-}
-
-template <int N>
-inline void reduce_mem(const __m512* acc_mem, float* dots) {
-  __m512 acc[N];
-  for (int i = 0; i < N; ++i) acc[i] = acc_mem[i];
-  reduce_each(acc, dots);
-}
-#endif
-
-// What a band needs: the weight, x widened to float32, the output and its sizes.
-template <typename T>
+// What a band needs: the weight, the x rows as the kernels read them (X: float32, or bfloat16
+// for the pairs path), the output and its sizes.
+template <typename T, typename X>
 struct Problem {
   const uint8_t* w;  // [N, row_bytes]
   const T* bias;     // [N] or nullptr
-  const float* x;    // [M, x_stride], K values a row
+  const X* x;        // [M, x_stride], K values a row
   T* out;            // [M, N]
   int64_t m, k, n, row_bytes, x_stride;
 };
 
 // out[m0 + j, row0 + r * step] = dots[j * R + r] + bias for the tile's R rows and MM x rows.
-template <typename T, int R, int MM>
-inline void store_tile(const Problem<T>& p, const float* dots, int64_t row0, int64_t step,
+template <typename T, typename X, int R, int MM>
+inline void store_tile(const Problem<T, X>& p, const float* dots, int64_t row0, int64_t step,
                        int64_t m0) {
   for (int j = 0; j < MM; ++j) {
     for (int r = 0; r < R; ++r) {
@@ -175,55 +88,64 @@ inline void store_tile(const Problem<T>& p, const float* dots, int64_t row0, int
 }
 
 #if defined(__AVX512F__)
+using gguf_tiles::chunk_dots;
+using gguf_tiles::decode_rows;
+using gguf_tiles::direct_dots;
+using gguf_tiles::kChunk;
+using gguf_tiles::kStride;
+using gguf_tiles::reduce_mem;
+
 // One tile of R weight rows (row0, row0 + step, ...) against every x row. Up to kDirectRows x
 // rows: decoded in registers, one pass. More: the tile decoded kChunk values at a time into
-// `scratch` [R, kScratchStride] (64-byte aligned) and each chunk multiplied by every x row,
-// three at a time, the R * M accumulators kept in `acc_mem` [M * R] between chunks.
-template <typename F, typename T, int R>
-void tile(const Problem<T>& p, int64_t row0, int64_t step, float* scratch, __m512* acc_mem) {
+// `scratch` [R, kStride<X>] (64-byte aligned) and each chunk multiplied by every x row, three
+// at a time, the R * M accumulators kept in `acc_mem` [M * R] between chunks.
+template <typename F, typename T, typename X, int R>
+void tile(const Problem<T, X>& p, int64_t row0, int64_t step, X* scratch, __m512* acc_mem) {
   const int64_t row_step = step * p.row_bytes;
+  const int64_t blocks = p.k / F::kElems;
   const uint8_t* w = p.w + row0 * p.row_bytes;
   float dots[R * 3];
   switch (p.m) {
     case 1:
-      direct_dots<F, R, 1>(w, row_step, p.k / F::kElems, p.x, p.x_stride, dots);
-      store_tile<T, R, 1>(p, dots, row0, step, 0);
+      direct_dots<F, X, R, 1>(w, row_step, blocks, p.x, p.x_stride, dots);
+      store_tile<T, X, R, 1>(p, dots, row0, step, 0);
       return;
     case 2:
-      direct_dots<F, R, 2>(w, row_step, p.k / F::kElems, p.x, p.x_stride, dots);
-      store_tile<T, R, 2>(p, dots, row0, step, 0);
+      direct_dots<F, X, R, 2>(w, row_step, blocks, p.x, p.x_stride, dots);
+      store_tile<T, X, R, 2>(p, dots, row0, step, 0);
       return;
     case 3:
       if (kDirectRows<F> < 3) break;
-      direct_dots<F, R, 3>(w, row_step, p.k / F::kElems, p.x, p.x_stride, dots);
-      store_tile<T, R, 3>(p, dots, row0, step, 0);
+      direct_dots<F, X, R, 3>(w, row_step, blocks, p.x, p.x_stride, dots);
+      store_tile<T, X, R, 3>(p, dots, row0, step, 0);
       return;
     default: break;
   }
+  const int64_t stride = p.x_stride;
   for (int64_t i = 0; i < p.m * R; ++i) acc_mem[i] = _mm512_setzero_ps();
   for (int64_t c0 = 0; c0 < p.k; c0 += kChunk) {
     const int64_t kc = std::min(kChunk, p.k - c0);  // whole blocks: kChunk is a multiple of 256
-    decode_rows<F, R>(w + c0 / F::kElems * F::kBytes, row_step, kc / F::kElems, scratch);
-    const int64_t stride = p.x_stride;
-    const float* xs = p.x + c0;
+    decode_rows<F, X, R>(w + c0 / F::kElems * F::kBytes, row_step, kc / F::kElems, scratch);
+    const X* xs = p.x + c0;
     int64_t m0 = 0;
     for (; m0 + 3 <= p.m; m0 += 3) {
-      chunk_dots<R, 3>(scratch, kc, xs + m0 * stride, stride, acc_mem + m0 * R);
+      chunk_dots<X, R, 3>(scratch, kc, xs + m0 * stride, stride, acc_mem + m0 * R);
     }
-    if (p.m - m0 == 2) chunk_dots<R, 2>(scratch, kc, xs + m0 * stride, stride, acc_mem + m0 * R);
-    if (p.m - m0 == 1) chunk_dots<R, 1>(scratch, kc, xs + m0 * stride, stride, acc_mem + m0 * R);
+    const X* rest = xs + m0 * stride;
+    if (p.m - m0 == 2) chunk_dots<X, R, 2>(scratch, kc, rest, stride, acc_mem + m0 * R);
+    if (p.m - m0 == 1) chunk_dots<X, R, 1>(scratch, kc, rest, stride, acc_mem + m0 * R);
   }
   int64_t m0 = 0;
   for (; m0 + 3 <= p.m; m0 += 3) {
     reduce_mem<R * 3>(acc_mem + m0 * R, dots);
-    store_tile<T, R, 3>(p, dots, row0, step, m0);
+    store_tile<T, X, R, 3>(p, dots, row0, step, m0);
   }
   if (p.m - m0 == 2) {
     reduce_mem<R * 2>(acc_mem + m0 * R, dots);
-    store_tile<T, R, 2>(p, dots, row0, step, m0);
+    store_tile<T, X, R, 2>(p, dots, row0, step, m0);
   } else if (p.m - m0 == 1) {
     reduce_mem<R>(acc_mem + m0 * R, dots);
-    store_tile<T, R, 1>(p, dots, row0, step, m0);
+    store_tile<T, X, R, 1>(p, dots, row0, step, m0);
   }
 }
 
@@ -231,34 +153,41 @@ void tile(const Problem<T>& p, int64_t row0, int64_t step, float* scratch, __m51
 // that the thread reads eight long sequential streams (small_linear's band; a tile's quantized
 // bytes are read once whatever M, so the tiles of adjacent rows small_linear takes for many x
 // rows bring nothing here); the fewer than kRowsPerTile rows left over one by one.
-template <typename F, typename T>
-void band(const Problem<T>& p, int64_t r0, int64_t r1) {
-  // Kept per thread: no allocation (and no page faults) per call.
-  thread_local std::vector<__m512> scratch;  // [kRowsPerTile, kScratchStride] floats
-  thread_local std::vector<__m512> acc_mem;  // [M, kRowsPerTile]
+// `floats` floats of a thread's reusable buffer, 64-byte aligned (the buffer is kept between
+// calls: no allocation, and no page faults, per call).
+inline float* aligned_floats(std::vector<float>& storage, int64_t floats) {
+  storage.resize(static_cast<size_t>(floats + kLanes));
+  const auto address = reinterpret_cast<uintptr_t>(storage.data());
+  return reinterpret_cast<float*>((address + 63) & ~uintptr_t{63});
+}
+
+template <typename F, typename T, typename X>
+void band(const Problem<T, X>& p, int64_t r0, int64_t r1) {
+  thread_local std::vector<float> scratch_storage, acc_storage;
+  X* scratch = nullptr;       // [kRowsPerTile, kStride<X>] X values
+  __m512* acc_mem = nullptr;  // [M, kRowsPerTile] vectors
   if (p.m > kDirectRows<F>) {
-    scratch.resize(static_cast<size_t>(kRowsPerTile * kScratchStride / kLanes));
-    acc_mem.resize(static_cast<size_t>(kRowsPerTile * p.m));
+    scratch = reinterpret_cast<X*>(aligned_floats(scratch_storage, kRowsPerTile * kStride<float>));
+    acc_mem = reinterpret_cast<__m512*>(aligned_floats(acc_storage, kRowsPerTile * p.m * kLanes));
   }
   const int64_t tiles = (r1 - r0) / kRowsPerTile;
   for (int64_t t = 0; t < tiles; ++t) {
-    tile<F, T, kRowsPerTile>(p, r0 + t, tiles, reinterpret_cast<float*>(scratch.data()),
-                             acc_mem.data());
+    tile<F, T, X, kRowsPerTile>(p, r0 + t, tiles, scratch, acc_mem);
   }
   for (int64_t row = r0 + tiles * kRowsPerTile; row < r1; ++row) {
-    tile<F, T, 1>(p, row, 1, reinterpret_cast<float*>(scratch.data()), acc_mem.data());
+    tile<F, T, X, 1>(p, row, 1, scratch, acc_mem);
   }
 }
 #else
 // Portable version: each row decoded into a float32 scratch row, then its dot product with
 // every x row as fixed-width independent partial sums (which GCC vectorises at -O3).
-template <typename F, typename T>
-void band(const Problem<T>& p, int64_t r0, int64_t r1) {
+template <typename F, typename T, typename X>
+void band(const Problem<T, X>& p, int64_t r0, int64_t r1) {
   std::vector<float> row(static_cast<size_t>(p.k));
   const int64_t blocks = p.k / F::kElems;
   for (int64_t r = r0; r < r1; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
-      F::template decode<Fused>(p.w + r * p.row_bytes + b * F::kBytes,
+      F::template decode<gguf::Fused>(p.w + r * p.row_bytes + b * F::kBytes,
                                 row.data() + b * F::kElems);
     }
     for (int64_t j = 0; j < p.m; ++j) {
@@ -275,39 +204,44 @@ void band(const Problem<T>& p, int64_t r0, int64_t r1) {
 }
 #endif
 
-template <typename F, typename T>
-void gguf_linear_kernel(const at::Tensor& x, const at::Tensor& qweight,
-                        const c10::optional<at::Tensor>& bias, at::Tensor& out) {
-  Problem<T> p{qweight.data_ptr<uint8_t>(),
-               bias.has_value() ? bias->data_ptr<T>() : nullptr,
-               nullptr,
-               out.data_ptr<T>(),
-               x.size(0),
-               x.size(1),
-               qweight.size(0),
-               qweight.size(1),
-               x.size(1)};
-  // x as float32 [M, x_stride]: bfloat16 widened once (a few KB that every thread reads from
-  // cache); on the decoded-tile path copied to rows padded by one vector (see kScratchStride).
-  // (torch's allocator aligns it to 64 bytes: a vector load that splits across two cache
-  // lines costs two.)
-  at::Tensor xf;
+
+// The x rows the kernels read, [M, x_stride] of X: x itself where it already is X and the
+// in-register path reads it; otherwise a copy (bfloat16 widened to float32 once, a few KB that
+// every thread reads from cache), with rows padded by 64 bytes on the decoded-tile path (see
+// kStride). torch's allocator aligns it to 64 bytes: a vector load that splits across two
+// cache lines costs two.
+template <typename F, typename T, typename X>
+void run(const at::Tensor& x, const at::Tensor& qweight, const c10::optional<at::Tensor>& bias,
+         at::Tensor& out) {
+  Problem<T, X> p{qweight.data_ptr<uint8_t>(),
+                  bias.has_value() ? bias->data_ptr<T>() : nullptr,
+                  nullptr,
+                  out.data_ptr<T>(),
+                  x.size(0),
+                  x.size(1),
+                  qweight.size(0),
+                  qweight.size(1),
+                  x.size(1)};
+  at::Tensor copy;
   const bool pad = p.m > kDirectRows<F>;
-  if (std::is_same_v<T, float> && !pad) {
-    p.x = x.data_ptr<float>();
+  if (std::is_same_v<T, X> && !pad) {
+    p.x = reinterpret_cast<const X*>(x.data_ptr<T>());
   } else {
-    p.x_stride = pad ? p.k + kLanes : p.k;
-    xf = at::empty({p.m, p.x_stride}, x.options().dtype(at::kFloat));
-    float* dst = xf.data_ptr<float>();
+    p.x_stride = pad ? p.k + 64 / static_cast<int64_t>(sizeof(X)) : p.k;
+    const auto dtype = std::is_same_v<X, float> ? at::kFloat : at::kBFloat16;
+    copy = at::empty({p.m, p.x_stride}, x.options().dtype(dtype));
+    X* dst = reinterpret_cast<X*>(copy.data_ptr());
     const T* xs = x.data_ptr<T>();
     for (int64_t j = 0; j < p.m; ++j) {
-      for (int64_t i = 0; i < p.k; ++i) dst[j * p.x_stride + i] = widen(xs[j * p.k + i]);
+      for (int64_t i = 0; i < p.k; ++i) {
+        dst[j * p.x_stride + i] = static_cast<X>(xs[j * p.k + i]);
+      }
     }
     p.x = dst;
   }
   // Bands of at least 64 rows, as small_linear: small per-band overhead next to the rows'
   // bytes, and work for both cores on the smallest projections.
-  parallel_for(0, p.n, 64, [&](int64_t r0, int64_t r1) { band<F, T>(p, r0, r1); });
+  parallel_for(0, p.n, 64, [&](int64_t r0, int64_t r1) { band<F, T, X>(p, r0, r1); });
 }
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t ggml_type,
@@ -328,9 +262,13 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t g
     at::Tensor out = at::empty({x.size(0), qweight.size(0)}, x.options());  // [M, N]
     if (out.numel() == 0) return out;
     if (x.scalar_type() == at::kFloat) {
-      gguf_linear_kernel<F, float>(x, qweight, bias, out);
+      run<F, float, float>(x, qweight, bias, out);
     } else {
-      gguf_linear_kernel<F, c10::BFloat16>(x, qweight, bias, out);
+#if defined(__AVX512BF16__)
+      run<F, c10::BFloat16, c10::BFloat16>(x, qweight, bias, out);  // bfloat16 pairs
+#else
+      run<F, c10::BFloat16, float>(x, qweight, bias, out);  // x widened
+#endif
     }
     return out;
   });
