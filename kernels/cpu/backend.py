@@ -54,9 +54,11 @@ def paged_attention(
 # from memory, as in a decode step (docs/kernels.md has the measurements).
 _SMALL_LINEAR_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 64}
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ ops are built for
-# Row counts up to which gguf_linear beats dequantizing the weight for torch's GEMM (both
-# dtypes; docs/kernels.md has the measurements).
-GGUF_LINEAR_MAX_ROWS = 64
+# Row counts up to which gguf_linear beats dequantizing the weight to x's dtype for torch's
+# GEMM (docs/kernels.md has the measurements): in float32 the op's own multiply loop outruns
+# MKL's GEMM at every measured size (1.4-1.9x at 512-1024 rows), so only very large prefill
+# chunks take the GEMM; in bfloat16 oneDNN's GEMM overtakes it from 32-64 rows.
+GGUF_LINEAR_MAX_ROWS = {torch.float32: 1024, torch.bfloat16: 32}
 # The GGUF formats the C++ ops decode (csrc/gguf_blocks.h), by ggml type id: Q4_0, Q4_1, Q8_0,
 # Q4_K, Q5_K, Q6_K.
 _GGUF_OP_TYPES = frozenset({2, 3, 8, 12, 13, 14})
@@ -119,7 +121,7 @@ class CpuBackend(KernelBackend):
         ):
             return super().quant_linear(x, qweight, fmt, bias)
         qweight = qweight.contiguous()  # a no-op for the loader's weights
-        if x.shape[0] <= GGUF_LINEAR_MAX_ROWS:
+        if x.shape[0] <= GGUF_LINEAR_MAX_ROWS[x.dtype]:
             b = None if bias is None else bias.contiguous()
             out: torch.Tensor = self._ops.gguf_linear(x.contiguous(), qweight, fmt.ggml_type, b)
             return out

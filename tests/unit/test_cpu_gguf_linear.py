@@ -200,10 +200,13 @@ def test_empty_batch_and_weight() -> None:
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float16])  # float16: the torch reference
-@pytest.mark.parametrize("rows", [1, 4, cpu_backend.GGUF_LINEAR_MAX_ROWS + 1])
-def test_backend_quant_linear(fmt: QuantFormat, dtype: torch.dtype, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 4, "threshold", "above"])
+def test_backend_quant_linear(fmt: QuantFormat, dtype: torch.dtype, rows: int | str) -> None:
     """The backend's dispatch (the op for a few rows, dequantize + torch's GEMM above, the
     reference for what the ops do not take) gives the reference backend's answer."""
+    if isinstance(rows, str):
+        threshold = cpu_backend.GGUF_LINEAR_MAX_ROWS.get(dtype, 64)
+        rows = threshold if rows == "threshold" else threshold + 1
     qweight, _, k = case(fmt, 40, 2, seed=rows)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=gen).to(dtype)  # [T, K]

@@ -98,9 +98,9 @@ using gguf_tiles::reduce_mem;
 // One tile of R weight rows (row0, row0 + step, ...) against every x row. Up to kDirectRows x
 // rows: decoded in registers, one pass. More: the tile decoded kChunk values at a time into
 // `scratch` [R, kStride<X>] (64-byte aligned) and each chunk multiplied by every x row, three
-// at a time, the R * M accumulators kept in `acc_mem` [M * R] between chunks.
+// at a time, the M * R accumulator vectors kept in `acc_mem` [M, R, 16] between chunks.
 template <typename F, typename T, typename X, int R>
-void tile(const Problem<T, X>& p, int64_t row0, int64_t step, X* scratch, __m512* acc_mem) {
+void tile(const Problem<T, X>& p, int64_t row0, int64_t step, X* scratch, float* acc_mem) {
   const int64_t row_step = step * p.row_bytes;
   const int64_t blocks = p.k / F::kElems;
   const uint8_t* w = p.w + row0 * p.row_bytes;
@@ -122,29 +122,29 @@ void tile(const Problem<T, X>& p, int64_t row0, int64_t step, X* scratch, __m512
     default: break;
   }
   const int64_t stride = p.x_stride;
-  for (int64_t i = 0; i < p.m * R; ++i) acc_mem[i] = _mm512_setzero_ps();
-  for (int64_t c0 = 0; c0 < p.k; c0 += kChunk) {
-    const int64_t kc = std::min(kChunk, p.k - c0);  // whole blocks: kChunk is a multiple of 256
+  const auto acc = [&](int64_t m0) { return acc_mem + m0 * R * kLanes; };  // x row m0's R
+  std::fill(acc_mem, acc(p.m), 0.f);
+  for (int64_t c0 = 0; c0 < p.k; c0 += kChunk<X>) {
+    const int64_t kc = std::min(kChunk<X>, p.k - c0);  // whole blocks: kChunk is 512 or 1024
     decode_rows<F, X, R>(w + c0 / F::kElems * F::kBytes, row_step, kc / F::kElems, scratch);
     const X* xs = p.x + c0;
     int64_t m0 = 0;
     for (; m0 + 3 <= p.m; m0 += 3) {
-      chunk_dots<X, R, 3>(scratch, kc, xs + m0 * stride, stride, acc_mem + m0 * R);
+      chunk_dots<X, R, 3>(scratch, kc, xs + m0 * stride, stride, acc(m0));
     }
-    const X* rest = xs + m0 * stride;
-    if (p.m - m0 == 2) chunk_dots<X, R, 2>(scratch, kc, rest, stride, acc_mem + m0 * R);
-    if (p.m - m0 == 1) chunk_dots<X, R, 1>(scratch, kc, rest, stride, acc_mem + m0 * R);
+    if (p.m - m0 == 2) chunk_dots<X, R, 2>(scratch, kc, xs + m0 * stride, stride, acc(m0));
+    if (p.m - m0 == 1) chunk_dots<X, R, 1>(scratch, kc, xs + m0 * stride, stride, acc(m0));
   }
   int64_t m0 = 0;
   for (; m0 + 3 <= p.m; m0 += 3) {
-    reduce_mem<R * 3>(acc_mem + m0 * R, dots);
+    reduce_mem<R * 3>(acc(m0), dots);
     store_tile<T, X, R, 3>(p, dots, row0, step, m0);
   }
   if (p.m - m0 == 2) {
-    reduce_mem<R * 2>(acc_mem + m0 * R, dots);
+    reduce_mem<R * 2>(acc(m0), dots);
     store_tile<T, X, R, 2>(p, dots, row0, step, m0);
   } else if (p.m - m0 == 1) {
-    reduce_mem<R>(acc_mem + m0 * R, dots);
+    reduce_mem<R>(acc(m0), dots);
     store_tile<T, X, R, 1>(p, dots, row0, step, m0);
   }
 }
@@ -164,11 +164,11 @@ inline float* aligned_floats(std::vector<float>& storage, int64_t floats) {
 template <typename F, typename T, typename X>
 void band(const Problem<T, X>& p, int64_t r0, int64_t r1) {
   thread_local std::vector<float> scratch_storage, acc_storage;
-  X* scratch = nullptr;       // [kRowsPerTile, kStride<X>] X values
-  __m512* acc_mem = nullptr;  // [M, kRowsPerTile] vectors
+  X* scratch = nullptr;      // [kRowsPerTile, kStride<X>] X values
+  float* acc_mem = nullptr;  // [M, kRowsPerTile, kLanes]
   if (p.m > kDirectRows<F>) {
     scratch = reinterpret_cast<X*>(aligned_floats(scratch_storage, kRowsPerTile * kStride<float>));
-    acc_mem = reinterpret_cast<__m512*>(aligned_floats(acc_storage, kRowsPerTile * p.m * kLanes));
+    acc_mem = aligned_floats(acc_storage, kRowsPerTile * p.m * kLanes);
   }
   const int64_t tiles = (r1 - r0) / kRowsPerTile;
   for (int64_t t = 0; t < tiles; ++t) {
@@ -205,11 +205,10 @@ void band(const Problem<T, X>& p, int64_t r0, int64_t r1) {
 #endif
 
 
-// The x rows the kernels read, [M, x_stride] of X: x itself where it already is X and the
-// in-register path reads it; otherwise a copy (bfloat16 widened to float32 once, a few KB that
-// every thread reads from cache), with rows padded by 64 bytes on the decoded-tile path (see
-// kStride). torch's allocator aligns it to 64 bytes: a vector load that splits across two
-// cache lines costs two.
+// The x rows the kernels read, [M, x_stride] of X: x itself where it already is X; otherwise a
+// copy (bfloat16 widened to float32 once, a few KB that every thread reads from cache), also
+// made to pad rows 4 KiB apart by 64 bytes (see kStride). torch's allocator aligns either to
+// 64 bytes: a vector load that splits across two cache lines costs two.
 template <typename F, typename T, typename X>
 void run(const at::Tensor& x, const at::Tensor& qweight, const c10::optional<at::Tensor>& bias,
          at::Tensor& out) {
@@ -223,7 +222,9 @@ void run(const at::Tensor& x, const at::Tensor& qweight, const c10::optional<at:
                   qweight.size(1),
                   x.size(1)};
   at::Tensor copy;
-  const bool pad = p.m > kDirectRows<F>;
+  // Rows 4 KiB apart (K = 1024, 2048, ... floats) map to the same L1 sets: padded on the
+  // decoded-tile path, which reads three of them at a time next to the scratch rows.
+  const bool pad = p.m > kDirectRows<F> && p.k * static_cast<int64_t>(sizeof(X)) % 4096 == 0;
   if (std::is_same_v<T, X> && !pad) {
     p.x = reinterpret_cast<const X*>(x.data_ptr<T>());
   } else {
