@@ -10,7 +10,9 @@
 // How a vector is built: 16 bytes zero- or sign-extended to 16 int32 lanes (vpmovzxbd), a nibble
 // taken with an and (low) or a shift (high), high bits merged with one vpternlogd, converted to
 // float (exact: at most 8 bits), and scaled with one multiply-add by the block's (or sub-block's)
-// scale broadcast to all lanes. Rounding is as in gguf_blocks.h: the same values, bit for bit.
+// scale broadcast to all lanes. Q4_0 and Q4_1 look their nibbles up in a 16-entry table of the
+// block's values instead (vpermps). Rounding is as in gguf_blocks.h: the same values, bit for
+// bit.
 #pragma once
 
 #if defined(__AVX512F__)

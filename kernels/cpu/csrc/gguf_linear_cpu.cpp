@@ -13,15 +13,15 @@
 // or 4 (float32): read as blocks and dequantized in registers, the layer costs a fraction of
 // the float one. Dequantizing to a float copy first would write and read that copy instead.
 //
-// How: each thread takes a band of weight rows and walks it in tiles of eight rows, one from
-// each of eight sub-bands, so that it reads eight long sequential streams (as small_linear does
-// for a few x rows), each prefetched 2 KiB ahead. With up to three x rows (two for the
-// K-quants), each block of each tile row is decoded into vectors (gguf_blocks_avx512.h) and
-// every vector multiplied at once by all x rows: the dequantized weights never leave the
-// registers. With more x rows, decoding once per pass over x would cost more than the
-// multiplies, so the tile is decoded 512 values at a time into an L1 scratch, and each chunk is
-// multiplied by every x row, three at a time, the accumulators kept between chunks (the
-// multiply loop is small_linear's tile_dots).
+// How: each thread takes a band of weight rows and walks it in tiles of eight rows, every row's
+// stream prefetched 2 KiB ahead. With up to three x rows (two for the K-quants), a tile is one
+// row from each of eight sub-bands, so that the thread reads eight long sequential streams (as
+// small_linear does for a few x rows); each block of each tile row is decoded into vectors
+// (gguf_blocks_avx512.h) and every vector multiplied at once by all x rows: the dequantized
+// weights never leave the registers. With more x rows, decoding once per pass over x would cost
+// more than the multiplies: a tile is eight adjacent rows, decoded 2 KiB of values a row at a
+// time into an L1 scratch, and each chunk is multiplied by every x row, three at a time, the
+// accumulators kept between chunks (the multiply loop is small_linear's tile_dots).
 //
 // Numerics: the activations stay float: no int8 quantization of x, so the result is the float
 // product with the dequantized weights up to summation order, accumulated in float32. float32 x
@@ -126,7 +126,10 @@ void tile(const Problem<T, X>& p, int64_t row0, int64_t step, X* scratch, float*
   std::fill(acc_mem, acc(p.m), 0.f);
   for (int64_t c0 = 0; c0 < p.k; c0 += kChunk<X>) {
     const int64_t kc = std::min(kChunk<X>, p.k - c0);  // whole blocks: kChunk is 512 or 1024
-    decode_rows<F, X, R>(w + c0 / F::kElems * F::kBytes, row_step, kc / F::kElems, scratch);
+    // Prefetched: the same chunk of the next tile (kRowsPerTile rows on), which the tile after
+    // this one decodes (2 KiB ahead lands in this tile's own next row).
+    decode_rows<F, X, R>(w + c0 / F::kElems * F::kBytes, row_step, kc / F::kElems, scratch,
+                         kRowsPerTile * p.row_bytes);
     const X* xs = p.x + c0;
     int64_t m0 = 0;
     for (; m0 + 3 <= p.m; m0 += 3) {

@@ -38,11 +38,12 @@ constexpr int64_t kChunk = 2048 / static_cast<int64_t>(sizeof(X));
 template <typename X>
 constexpr int64_t kStride = kChunk<X> + 64 / static_cast<int64_t>(sizeof(X));
 
-// Block b of a row: prefetch the line(s) kPrefetchBytes further on, once per line. The hardware
-// prefetcher alone leaves the eight streams short of data (1.2-1.4x slower at one x row).
+// Block b of a row: prefetch the line(s) `distance` bytes further on, once per line. The
+// hardware prefetcher alone leaves the eight streams short of data (1.2-1.4x slower at one x
+// row).
 template <typename F>
-inline void prefetch_ahead(const uint8_t* row, int64_t b) {
-  const uint8_t* ahead = row + b * F::kBytes + kPrefetchBytes;
+inline void prefetch_ahead(const uint8_t* row, int64_t b, int64_t distance) {
+  const uint8_t* ahead = row + b * F::kBytes + distance;
   if constexpr (F::kBytes >= 64) {
     for (int64_t off = 0; off < F::kBytes; off += 64) __builtin_prefetch(ahead + off, 0, 3);
   } else if ((b * F::kBytes) / 64 != ((b + 1) * F::kBytes) / 64) {  // the block ends a line
@@ -93,7 +94,7 @@ inline void direct_dots(const uint8_t* w, int64_t row_step, int64_t blocks, cons
     const X* xb = x + b * F::kElems;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      prefetch_ahead<F>(w + r * row_step, b);
+      prefetch_ahead<F>(w + r * row_step, b, kPrefetchBytes);
       decoded<X, F>(w + r * row_step + b * F::kBytes, [&](int64_t v0, auto wv) {
 #pragma GCC unroll 4
         for (int j = 0; j < MM; ++j) {
@@ -106,12 +107,13 @@ inline void direct_dots(const uint8_t* w, int64_t row_step, int64_t blocks, cons
 }
 
 // R quantized rows, row_step bytes apart: `blocks` blocks each into scratch [R, kStride<X>]
-// (float32 or the bfloat16 pairs).
+// (float32 or the bfloat16 pairs), prefetching `ahead` bytes further on (the next tile's).
 template <typename F, typename X, int R>
-inline void decode_rows(const uint8_t* w, int64_t row_step, int64_t blocks, X* scratch) {
+inline void decode_rows(const uint8_t* w, int64_t row_step, int64_t blocks, X* scratch,
+                        int64_t ahead) {
   for (int r = 0; r < R; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
-      prefetch_ahead<F>(w + r * row_step, b);
+      prefetch_ahead<F>(w + r * row_step, b, ahead);
       X* dst = scratch + r * kStride<X> + b * F::kElems;
       decoded<X, F>(w + r * row_step + b * F::kBytes, [&](int64_t v0, auto wv) {
         _mm512_storeu_si512(dst + v0, (__m512i)wv);
