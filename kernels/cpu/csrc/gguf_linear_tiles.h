@@ -39,7 +39,7 @@ template <typename X>
 constexpr int64_t kStride = kChunk<X> + 64 / static_cast<int64_t>(sizeof(X));
 
 // Block b of a row: prefetch the line(s) `distance` bytes further on, once per line. The
-// hardware prefetcher alone leaves the eight streams short of data (1.2-1.4x slower at one x
+// hardware prefetcher alone leaves the eight streams short of data (1.2-1.6x slower at one x
 // row).
 template <typename F>
 inline void prefetch_ahead(const uint8_t* row, int64_t b, int64_t distance) {
