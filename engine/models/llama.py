@@ -215,7 +215,13 @@ class LlamaForCausalLM(nn.Module):
         head_source = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         self.lm_head = make_linear(cfg.hidden_size, [(head_source, None, cfg.vocab_size)], False)
         self.tie_word_embeddings()
-        cos_sin = build_cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        # Computed on the CPU even when the model is built on the meta device: the meta path
+        # of these ops imports torch._dynamo (and with it triton: ~1.6 s and ~70 MiB resident
+        # in every rank); the model runner rebuilds the table on its device anyway.
+        with torch.device("cpu"):
+            cos_sin = build_cos_sin_cache(
+                cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
+            )
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     def forward(
