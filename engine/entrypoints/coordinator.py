@@ -23,6 +23,7 @@ from corefleet.engine.entrypoints.http_server import ApiServer, uvicorn_config
 from corefleet.engine.entrypoints.local_ranks import LocalRanks
 from corefleet.engine.frontend.tokenizer import Tokenizer
 from corefleet.engine.models.default_model import served_model_name
+from corefleet.engine.models.gguf_metadata import release_gguf_reader
 from corefleet.engine.models.loader import resolve_model_path
 from corefleet.engine.openai.admission import ApiKeys
 from corefleet.engine.openai.api_server import ServerState, build_app
@@ -66,6 +67,7 @@ async def run(options: CoordinatorOptions, local_ranks: LocalRanks | None = None
     """Serve until a signal; returns the exit code."""
     model_path = resolve_model_path(options.model)
     tokenizer = Tokenizer.from_model_path(model_path)
+    release_gguf_reader()  # the coordinator needs nothing more from a GGUF file
     model_name = served_model_name(options.served_model_name, options.model, model_path)
     fleet = FleetClient(
         policy=make_policy(options.routing, options.block_size),

@@ -12,6 +12,7 @@ import torch
 from corefleet.engine.config import EngineConfig
 from corefleet.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from corefleet.engine.models.arch import ArchConfig
+from corefleet.engine.models.gguf_metadata import release_gguf_reader
 from corefleet.engine.models.llama import KVCache, LlamaForCausalLM
 from corefleet.engine.models.rope import build_cos_sin_cache
 from corefleet.engine.models.weights import load_weights, quantized_weights
@@ -72,6 +73,7 @@ class ModelRunner:
         model.tie_word_embeddings()
         model.load_weights(load_weights(self.model_path, self.dtype, bool(quantized)))
         self.model = model.eval()
+        release_gguf_reader()  # a rank reads nothing more from the file
         logger.info(
             "loaded %s (%s, %d layers%s) in %.1f s",
             self.model_path,
