@@ -51,8 +51,12 @@ def test_smollm2_greedy_equals_hf(hf_smollm2, smollm2_path: str) -> None:  # typ
     new_tokens = 8
     expected = [hf_greedy(hf_smollm2, ids, new_tokens) for ids in prompts]
     # The engine in its own process (the default), which inherits TRITON_INTERPRET=1.
+    # Dequantized weights: under the interpreter the GGUF matmuls of every layer would take
+    # minutes (test_triton_gguf_engine.py runs them on a tiny model); this test is about the
+    # attention and layer kernels against transformers.
     llm = LLM(
         dtype="float32",
+        quantization="none",
         attention_backend="triton",
         kv_cache_memory=64 << 20,
         max_num_batched_tokens=32,
