@@ -29,7 +29,6 @@ AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash-attn"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 GiB = 1 << 30
-DEFAULT_CPU_KV_CACHE_LIMIT = 4 * GiB  # the most the default CPU KV budget takes
 
 _ARG_METADATA_KEY = "corefleet.engine_arg"
 
@@ -303,17 +302,6 @@ class EngineConfig:
         """A short digest of every setting; ranks of one fleet should all report the same."""
         text = repr(dataclasses.asdict(self)).encode()
         return hashlib.sha256(text).hexdigest()[:16]
-
-    def cpu_kv_cache_budget(self, bytes_per_block: int) -> int:
-        """Bytes for the KV cache on CPU: ``--kv-cache-memory`` if given, else what
-        ``max_num_seqs`` requests of ``max_model_len`` tokens can fill (plus the reserved
-        block 0), at most ``DEFAULT_CPU_KV_CACHE_LIMIT``. Needs the resolved max_model_len."""
-        if self.cache.kv_cache_memory is not None:
-            return self.cache.kv_cache_memory
-        assert self.model.max_model_len is not None, "max_model_len must be resolved"
-        blocks_per_request = -(-self.model.max_model_len // self.cache.block_size)
-        usable = (self.scheduler.max_num_seqs * blocks_per_request + 1) * bytes_per_block
-        return min(usable, DEFAULT_CPU_KV_CACHE_LIMIT)
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         """This config with the context length resolved from the model."""

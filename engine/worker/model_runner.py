@@ -17,6 +17,7 @@ from corefleet.engine.models.llama import KVCache, LlamaForCausalLM
 from corefleet.engine.models.rope import build_cos_sin_cache
 from corefleet.engine.models.weights import load_weights, quantized_weights
 from corefleet.engine.worker.input_batch import InputBatch, RequestState, StepInputs
+from corefleet.engine.worker.kv_budget import cpu_kv_cache_budget
 from corefleet.engine.worker.sampler import Sampler, SamplingMetadata
 from corefleet.kernels.backend import select_kernel_backend
 from corefleet.kernels.cpu.loader import cpu_flags
@@ -98,7 +99,7 @@ class ModelRunner:
             _, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * cache.gpu_memory_utilization) - self._profile_peak_memory()
         else:
-            budget = self.config.cpu_kv_cache_budget(self.kv_bytes_per_block())
+            budget = cpu_kv_cache_budget(self.config, self.kv_bytes_per_block())
         num_blocks = budget // self.kv_bytes_per_block()
         logger.info(
             "KV cache: %s, %d blocks of %d bytes (budget %d bytes)",

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from corefleet.engine.config import EngineConfig
 from corefleet.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from corefleet.engine.models.loader import load_arch_config
+from corefleet.engine.worker.kv_budget import cpu_kv_cache_budget
 
 if TYPE_CHECKING:
     # Relative on purpose: mypy checks this tree as the package ``engine``, where
@@ -53,7 +54,7 @@ class NullExecutor:
             * a.head_dim
             * _BYTES_PER_ELEMENT
         )
-        return max(2, self.config.cpu_kv_cache_budget(per_block) // per_block)
+        return max(2, cpu_kv_cache_budget(self.config, per_block) // per_block)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         del num_blocks  # nothing to allocate

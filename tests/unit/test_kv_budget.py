@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corefleet.engine.config import DEFAULT_CPU_KV_CACHE_LIMIT, EngineConfig, GiB
+from corefleet.engine.config import EngineConfig, GiB
+from corefleet.engine.worker.kv_budget import DEFAULT_CPU_KV_CACHE_LIMIT, cpu_kv_cache_budget
 from corefleet.engine.worker.model_runner import resolve_kv_cache_dtype
 from corefleet.kernels.cpu.loader import cpu_flags
 
@@ -19,16 +20,16 @@ def _config(**kwargs: object) -> EngineConfig:
 
 def test_default_budget_is_what_the_batch_can_fill() -> None:
     # 8 requests of 2048 tokens: 8 x 128 blocks, plus the reserved block 0.
-    assert _config(max_num_seqs=8).cpu_kv_cache_budget(BLOCK_BYTES) == (8 * 128 + 1) * BLOCK_BYTES
+    assert cpu_kv_cache_budget(_config(max_num_seqs=8), BLOCK_BYTES) == (8 * 128 + 1) * BLOCK_BYTES
     # A partial last block still counts as a block.
     config = EngineConfig.from_kwargs(max_num_seqs=2).with_max_model_len(17)
-    assert config.cpu_kv_cache_budget(BLOCK_BYTES) == (2 * 2 + 1) * BLOCK_BYTES
+    assert cpu_kv_cache_budget(config, BLOCK_BYTES) == (2 * 2 + 1) * BLOCK_BYTES
 
 
 def test_default_budget_is_capped_and_an_explicit_one_wins() -> None:
-    assert _config(max_num_seqs=256).cpu_kv_cache_budget(BLOCK_BYTES) == DEFAULT_CPU_KV_CACHE_LIMIT
+    assert cpu_kv_cache_budget(_config(max_num_seqs=256), BLOCK_BYTES) == DEFAULT_CPU_KV_CACHE_LIMIT
     explicit = _config(max_num_seqs=8, kv_cache_memory=64 * GiB)
-    assert explicit.cpu_kv_cache_budget(BLOCK_BYTES) == 64 * GiB
+    assert cpu_kv_cache_budget(explicit, BLOCK_BYTES) == 64 * GiB
 
 
 @pytest.mark.parametrize("value", [0, -1])
