@@ -41,8 +41,18 @@ class Outcome:
 class StreamingLoad:
     """`clients` threads, each sending streaming chat requests back to back until stopped."""
 
-    def __init__(self, base_url: str, model: str, clients: int = 3, max_tokens: int = 48) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        clients: int = 3,
+        max_tokens: int = 48,
+        ignore_eos: bool = False,
+    ) -> None:
         self.base_url, self.model, self.max_tokens = base_url, model, max_tokens
+        # ignore_eos: every request runs to max_tokens, so a rank never idles between the model's
+        # early stops (a test that needs work in flight at a given moment depends on it)
+        self.extra_body = {"ignore_eos": True} if ignore_eos else None
         self.outcomes: list[Outcome] = []
         self._stop = threading.Event()
         self._threads = [
@@ -75,6 +85,7 @@ class StreamingLoad:
                 max_tokens=self.max_tokens,
                 temperature=0.0,
                 stream=True,
+                extra_body=self.extra_body,
             )
             for chunk in stream:
                 for choice in chunk.choices:

@@ -233,7 +233,9 @@ def test_abort_mode_scale_down_aborts_in_flight_at_once(cluster: LocalCluster) -
     )
     _wait_ready(cluster, 2)
     base = _coordinator_url(cluster)
-    with StreamingLoad(f"{base}/v1", MODEL, clients=4, max_tokens=256) as load:
+    # ignore_eos: each request runs its 256 tokens, so rank 1 still holds work when its SIGTERM
+    # comes (the model's early stops once let every stream on rank 1 end just before it)
+    with StreamingLoad(f"{base}/v1", MODEL, clients=4, max_tokens=256, ignore_eos=True) as load:
         wait_for(lambda: _running(base).get(1, 0) > 0, 60, "requests running on rank 1")
         scaled = time.monotonic()
         cluster.kubectl("scale", f"ie/{NAME}", "--replicas=1")
