@@ -166,9 +166,11 @@ def test_rank_loss_recovers(cluster: LocalCluster) -> None:
         os.kill(worker.pid, signal.SIGKILL)
         load.wait_completed(len(load.outcomes) + 4, 120)
         _wait_ready(cluster, 2)
-    # Streams open on the lost rank either migrate and finish, or end with an error within 5 s.
+        back = time.monotonic()
+    # Streams open on the lost rank either migrate and finish, or end with an error: none of
+    # them waits for the rank's restart (a reload of the model, seconds after the kill).
     for outcome in load.failures():
-        assert outcome.ended - in_flight_from < 5.0, outcome
+        assert in_flight_from <= outcome.ended < back, outcome
     pod = _rank_pod(cluster, 1)
     assert pod is not None
     assert pod["status"]["containerStatuses"][0]["restartCount"] >= 1
