@@ -33,6 +33,16 @@ KINDS: dict[str, tuple[str, str]] = {
 }
 
 
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """The operator's credentials: the in-cluster service account first, then KUBECONFIG.
+
+    kopf's login handler (`main.login_handler`) and the peering pre-flight (`peering.py`) both
+    use it, so every request of the operator runs as the same identity.
+    """
+    kwargs.setdefault("settings", kopf.OperatorSettings())
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
 class KubeError(Exception):
     """An API answer the caller did not expect: HTTP status plus the server's message."""
 
@@ -153,6 +163,11 @@ class KubeClient:
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """Read an object; None if it does not exist."""
         status, data = await self._request("GET", self.url(kind, namespace, name))
+        return self._check(status, data, (404,))
+
+    async def read(self, path: str) -> dict[str, Any] | None:
+        """GET any API path (`apis/GROUP/VERSION/...`); None if the server answers 404."""
+        status, data = await self._request("GET", f"{self._server}/{path.lstrip('/')}")
         return self._check(status, data, (404,))
 
     async def close(self) -> None:

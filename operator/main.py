@@ -16,7 +16,7 @@ import kopf
 
 from corefleet.operator import settings
 from corefleet.operator.controller import Indexes, Runtime, reconcile_engine
-from corefleet.operator.kube import KINDS
+from corefleet.operator.kube import KINDS, login
 from corefleet.operator.naming import COMPONENT_LABEL, ENGINE_LABEL
 from corefleet.operator.pods import pod_hash
 from corefleet.operator.spec import GROUP, PLURAL, VERSION
@@ -56,9 +56,9 @@ def _indexes(kwargs: Mapping[str, Any]) -> Indexes:
 
 
 @kopf.on.login()
-def login(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
+def login_handler(memo: kopf.Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
     """In-cluster service account first, then KUBECONFIG; our API client uses the same."""
-    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    info = login(**kwargs)
     if info is not None and isinstance(memo.get("runtime"), Runtime):
         memo["runtime"].connect(info)
     return info

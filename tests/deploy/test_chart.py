@@ -83,8 +83,9 @@ CRD_READS = _rules(
     ("apiextensions.k8s.io", "customresourcedefinitions", "list watch"),  # kopf resource observer
 )
 NAMESPACE_READS = _rules(("", "namespaces", "list watch"))  # kopf namespace observer (namespaced)
-CLUSTER_PEERING = _rules(("kopf.dev", "clusterkopfpeerings", "list watch patch"))  # kopf peering
-NAMESPACED_PEERING = _rules(("kopf.dev", "kopfpeerings", "list watch patch"))  # same, per namespace
+# kopf peering (list watch patch); get: the start-up check of cli.py (peering.py find_problems)
+CLUSTER_PEERING = _rules(("kopf.dev", "clusterkopfpeerings", "get list watch patch"))
+NAMESPACED_PEERING = _rules(("kopf.dev", "kopfpeerings", "get list watch patch"))  # per namespace
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -367,6 +368,7 @@ def test_the_liveness_probe_and_health_service_use_the_operators_liveness_endpoi
 def test_one_replica_runs_standalone_and_is_replaced_not_overlapped(tmp_path: Path) -> None:
     docs = render(tmp_path)
     assert "--standalone" in operator_container(docs)["args"]
+    assert "--require-peering" not in operator_container(docs)["args"]
     assert only(docs, "Deployment")["spec"]["strategy"] == {"type": "Recreate"}
     assert not [doc for doc in docs if doc["apiVersion"].startswith("kopf.dev/")]
 
@@ -379,6 +381,8 @@ def test_several_replicas_elect_a_leader_through_kopf_peering(
     args = operator_container(docs)["args"]
     assert "--standalone" not in args
     assert f"--peering={RELEASE}" in args
+    # A replica without its peering object exits with an error instead of waiting silently.
+    assert "--require-peering" in args
     assert only(docs, "Deployment")["spec"]["strategy"] == {"type": "RollingUpdate"}
     peerings = [doc for doc in docs if doc["apiVersion"].startswith("kopf.dev/")]
     assert {doc["metadata"]["name"] for doc in peerings} == {RELEASE}
