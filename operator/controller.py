@@ -23,7 +23,6 @@ import kopf
 from corefleet.operator import admin
 from corefleet.operator import pods as podlib
 from corefleet.operator.curve import generate_keys
-from corefleet.operator.events import transition_events
 from corefleet.operator.kube import KubeClient, KubeError
 from corefleet.operator.naming import (
     Owner,
@@ -33,7 +32,7 @@ from corefleet.operator.naming import (
 from corefleet.operator.recent import RecentWrites
 from corefleet.operator.reconcile import Action, Observed, Policy, plan
 from corefleet.operator.spec import EngineSpec, InvalidSpec, parse_spec
-from corefleet.operator.status import Context, compute_status, invalid_spec_status
+from corefleet.operator.status import Context, compute_status, invalid_spec_status, rank_events
 
 Key = tuple[str, str]  # (namespace, engine name)
 RANK_EVENTS = {"RankCreated", "RankScaledDown", "RankReplaced", "RankFailedReplaced"}
@@ -193,7 +192,7 @@ async def _write_status(
             "InferenceEngine", key[0], key[1], {"status": status}, subresource="status"
         )
     runtime.last_status[key] = status
-    for event in transition_events(previous, status):
+    for event in rank_events(previous.get("ranks") or [], status.get("ranks") or []):
         _post(body, event.type, event.reason, event.message)
 
 
