@@ -23,6 +23,7 @@ import kopf
 from corefleet.operator import admin
 from corefleet.operator import pods as podlib
 from corefleet.operator.curve import generate_keys
+from corefleet.operator.events import transition_events
 from corefleet.operator.kube import KubeClient, KubeError
 from corefleet.operator.naming import (
     Owner,
@@ -32,7 +33,7 @@ from corefleet.operator.naming import (
 from corefleet.operator.recent import RecentWrites
 from corefleet.operator.reconcile import Action, Observed, Policy, plan
 from corefleet.operator.spec import EngineSpec, InvalidSpec, parse_spec
-from corefleet.operator.status import Context, compute_status, invalid_spec_status, rank_events
+from corefleet.operator.status import Context, compute_status, invalid_spec_status
 
 Key = tuple[str, str]  # (namespace, engine name)
 RANK_EVENTS = {"RankCreated", "RankScaledDown", "RankReplaced", "RankFailedReplaced"}
@@ -192,7 +193,7 @@ async def _write_status(
             "InferenceEngine", key[0], key[1], {"status": status}, subresource="status"
         )
     runtime.last_status[key] = status
-    for event in rank_events(previous.get("ranks") or [], status.get("ranks") or []):
+    for event in transition_events(previous, status):
         _post(body, event.type, event.reason, event.message)
 
 

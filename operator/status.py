@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from corefleet.operator import pods as podlib
+from corefleet.operator.events import NO_POD
 from corefleet.operator.naming import Owner, endpoint, engine_pod_name, rank_selector
 from corefleet.operator.reconcile import Observed, Plan
 from corefleet.operator.spec import EngineSpec
@@ -62,7 +63,7 @@ def _rank_entries(
         pod = observed.pods.get(rank)
         entry: dict[str, Any] = {"rank": rank, "pod": engine_pod_name(owner.name, rank)}
         if pod is None:
-            entry.update(stage="Pending", message="pod not created yet", reason="Pending")
+            entry.update(stage="Pending", message=NO_POD, reason="Pending")
         else:
             joined = None if ctx.joined is None else ctx.joined.get(rank, "absent")
             diag = podlib.diagnose(pod, now, joined)
@@ -208,6 +209,7 @@ def compute_status(
         "rankSummary": f"{ready}/{size}",
         "selector": rank_selector(owner.name),
         "endpoint": endpoint(owner, spec),
+        "coordinatorReady": ctx.coordinator_ready,
         "ranks": ranks,
         "conditions": conditions_with_times(
             conditions, previous.get("conditions") or [], ctx.generation, now
@@ -230,31 +232,3 @@ def invalid_spec_status(
             conditions, previous.get("conditions") or [], generation, now
         ),
     }
-
-
-@dataclasses.dataclass(frozen=True)
-class RankEvent:
-    """A Kubernetes Event to post for a rank's stage change."""
-
-    type: str  # Normal | Warning
-    reason: str
-    message: str
-
-
-def rank_events(
-    previous: Sequence[Mapping[str, Any]], current: Sequence[Mapping[str, Any]]
-) -> list[RankEvent]:
-    """Events for ranks that joined (became Ready), started draining, or failed."""
-    before = {e.get("rank"): e.get("stage") for e in previous}
-    events = []
-    for entry in current:
-        stage, rank = entry["stage"], entry["rank"]
-        if before.get(rank) == stage:
-            continue
-        if stage == "Ready":
-            events.append(RankEvent("Normal", "RankJoined", f"rank {rank} is ready"))
-        elif stage == "Draining":
-            events.append(RankEvent("Normal", "RankDraining", f"rank {rank} is draining"))
-        elif stage == "Failed":
-            events.append(RankEvent("Warning", "RankFailed", f"rank {rank}: {entry['message']}"))
-    return events

@@ -99,6 +99,7 @@ def test_apply_creates_every_child_with_owner_references(tmp_path):
                 "rankSummary",
                 "selector",
                 "endpoint",
+                "coordinatorReady",
                 "ranks",
                 "conditions",
             }  # nothing of kopf's in status

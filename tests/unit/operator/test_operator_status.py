@@ -10,7 +10,7 @@ from operator_fixtures import CURRENT, NOW, OLD, OWNER, children, pod, spec
 
 from corefleet.operator.pods import diagnose
 from corefleet.operator.reconcile import Observed, plan
-from corefleet.operator.status import Context, compute_status, rank_events
+from corefleet.operator.status import Context, compute_status
 
 RECENT = (NOW - datetime.timedelta(seconds=30)).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -293,20 +293,3 @@ def test_missing_rank_is_pending_and_updated_flags_follow_the_hash():
     }
     assert status["ranks"][0]["updated"] is False and status["updatedReplicas"] == 0
     assert CURRENT != OLD
-
-
-def test_rank_events_on_stage_changes_only():
-    before = [{"rank": 0, "stage": "Loading"}, {"rank": 1, "stage": "Ready"}]
-    after = [
-        {"rank": 0, "stage": "Ready"},
-        {"rank": 1, "stage": "Ready"},
-        {"rank": 2, "stage": "Failed", "message": "boom"},
-        {"rank": 3, "stage": "Draining"},
-    ]
-    found = [(e.type, e.reason) for e in rank_events(before, after)]
-    assert found == [
-        ("Normal", "RankJoined"),
-        ("Warning", "RankFailed"),
-        ("Normal", "RankDraining"),
-    ]
-    assert rank_events(after, after) == []
