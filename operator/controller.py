@@ -26,6 +26,7 @@ from corefleet.operator.curve import generate_keys
 from corefleet.operator.events import transition_events
 from corefleet.operator.kube import KubeClient, KubeError
 from corefleet.operator.naming import (
+    ENGINE_LABEL,
     Owner,
     coordinator_name,
     curve_secret_name,
@@ -37,6 +38,7 @@ from corefleet.operator.status import Context, compute_status, invalid_spec_stat
 
 Key = tuple[str, str]  # (namespace, engine name)
 RANK_EVENTS = {"RankCreated", "RankScaledDown", "RankReplaced", "RankFailedReplaced"}
+CONFLICT_RETRY = 1.0  # seconds before a reconcile that met a 409 Conflict runs again
 
 
 def _utcnow() -> datetime.datetime:
@@ -61,6 +63,9 @@ class Runtime:
         default_factory=dict
     )
     recent: dict[Key, RecentWrites] = dataclasses.field(default_factory=dict)
+    resync_seconds: float = 60.0  # how often the indexed children are checked against a list
+    resynced: dict[Key, float] = dataclasses.field(default_factory=dict)  # monotonic time
+    vanished: set[str] = dataclasses.field(default_factory=set)  # uids indexed but gone
 
     def connect(self, info: kopf.ConnectionInfo) -> None:
         """Use new credentials (kopf's login handler calls this)."""
@@ -72,6 +77,7 @@ class Runtime:
         self.last_status.pop(key, None)
         self.admin_cache.pop(key, None)
         self.recent.pop(key, None)
+        self.resynced.pop(key, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,21 +86,31 @@ class Indexes:
 
     pods: Mapping[Key, Iterable[Mapping[str, Any]]]
     children: Mapping[Key, Iterable[Mapping[str, Any]]]
+    vanished: frozenset[str] = frozenset()  # uids to ignore: see `_find_vanished`
+
+    def live_pods(self, key: Key) -> list[Mapping[str, Any]]:
+        """The engine's indexed rank pods, less the vanished ones."""
+        pods = self.pods.get(key, ())
+        return [p for p in pods if p.get("metadata", {}).get("uid") not in self.vanished]
+
+    def live_children(self, key: Key) -> list[Mapping[str, Any]]:
+        """The engine's other indexed children, less the vanished ones."""
+        return [c for c in self.children.get(key, ()) if c.get("uid") not in self.vanished]
 
     def observe(self, key: Key, replacements: Mapping[int, int]) -> Observed:
         """The `Observed` input of the reconcile for one engine."""
         pods = {}
-        for pod in self.pods.get(key, ()):
+        for pod in self.live_pods(key):
             rank = podlib.rank_of(pod)
             if rank is not None:
                 pods[rank] = pod
-        children = {(c["kind"], c["name"]): c.get("hash") for c in self.children.get(key, ())}
+        children = {(c["kind"], c["name"]): c.get("hash") for c in self.live_children(key)}
         return Observed(pods=pods, children=children, replacements=replacements)
 
     def coordinator_available(self, key: Key) -> bool:
         """The coordinator Deployment reports an available pod."""
         return any(
-            c["kind"] == "Deployment" and c.get("available") for c in self.children.get(key, ())
+            c["kind"] == "Deployment" and c.get("available") for c in self.live_children(key)
         )
 
 
@@ -130,6 +146,29 @@ async def _execute(
         logger.info("%s %s %s: %s", action.verb, action.kind, action.name, action.message)
         if action.reason in RANK_EVENTS:
             _post(body, "Normal", action.reason, action.message)
+
+
+async def _find_vanished(runtime: Runtime, key: Key, indexes: Indexes) -> None:
+    """Add to `runtime.vanished` the engine's indexed children that the API no longer has.
+
+    kopf drops an object from its indexes only on a DELETED watch event. An object deleted while
+    a watch was down, when the watch then resumes past the server's history (410 Gone) and kopf
+    lists again, stays indexed for good: a rank pod that does would never be recreated. So every
+    `resync_seconds` (not on an engine's first reconcile: the indexes are fresh then) the engine's
+    children are listed by label, and the indexed uids missing from the lists are ignored.
+    """
+    now = time.monotonic()
+    last = runtime.resynced.setdefault(key, now)
+    if now - last < runtime.resync_seconds or runtime.client is None:
+        return
+    runtime.resynced[key] = now
+    indexed = {p["metadata"].get("uid"): "Pod" for p in indexes.live_pods(key)}
+    indexed.update({c.get("uid"): c["kind"] for c in indexes.live_children(key)})
+    present: set[Any] = set()
+    for kind in sorted(set(indexed.values())):
+        found = await runtime.client.list_labelled(kind, key[0], f"{ENGINE_LABEL}={key[1]}")
+        present.update(o["metadata"].get("uid") for o in found)
+    runtime.vanished.update(str(uid) for uid in indexed.keys() - present if uid)
 
 
 async def _joined(
@@ -215,7 +254,16 @@ async def reconcile_engine(
     runtime.pending.add(key)
     async with runtime.locks.setdefault(key, asyncio.Lock()):
         runtime.pending.discard(key)
-        return await _reconcile_locked(body, key, runtime, indexes, logger)
+        try:
+            return await _reconcile_locked(body, key, runtime, indexes, logger)
+        except KubeError as exc:
+            if exc.status != 409:
+                raise
+            # Someone else changed the object. Forget the status this process remembers, so the
+            # retry starts from the engine kopf last read, and retry soon: a plain exception
+            # would wait for kopf's default back-off (60 s), also in the timer.
+            runtime.last_status.pop(key, None)
+            raise kopf.TemporaryError(f"conflict, retrying: {exc}", delay=CONFLICT_RETRY) from exc
 
 
 async def _reconcile_locked(
@@ -235,6 +283,8 @@ async def _reconcile_locked(
         )
         return str(exc)
     owner = Owner(name=key[1], namespace=key[0], uid=meta["uid"])
+    await _find_vanished(runtime, key, indexes)
+    indexes = dataclasses.replace(indexes, vanished=frozenset(runtime.vanished))
     replacements = {
         int(r["rank"]): int(r["replacements"])
         for r in previous.get("ranks") or []

@@ -13,6 +13,7 @@ import contextlib
 import os
 import ssl
 import tempfile
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -159,6 +160,12 @@ class KubeClient:
         """Delete an object (its grace period runs); absent objects are fine."""
         status, data = await self._request("DELETE", self.url(kind, namespace, name))
         self._check(status, data, (404,))
+
+    async def list_labelled(self, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+        """The objects of a kind in a namespace that match a label selector."""
+        url = f"{self.url(kind, namespace)}?{urllib.parse.urlencode({'labelSelector': selector})}"
+        status, data = await self._request("GET", url)
+        return list((self._check(status, data, ()) or {}).get("items") or [])
 
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """Read an object; None if it does not exist."""

@@ -112,6 +112,7 @@ def _index_child(kind: str) -> None:
             (namespace, labels[ENGINE_LABEL]): {
                 "kind": kind,
                 "name": name,
+                "uid": body.metadata.uid,
                 "hash": pod_hash(body),
                 "available": available,
             }

@@ -41,6 +41,7 @@ class OperatorConfig:
     request_timeout_seconds: float = 10.0  # COREFLEET_OPERATOR_REQUEST_TIMEOUT_SECONDS
     admin_probe: bool = True  # COREFLEET_OPERATOR_ADMIN_PROBE=0 turns off /admin/engines reads
     admin_timeout_seconds: float = 1.0  # COREFLEET_OPERATOR_ADMIN_TIMEOUT_SECONDS
+    resync_seconds: float = 60.0  # COREFLEET_OPERATOR_RESYNC_SECONDS: indexes checked by a list
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -52,6 +53,7 @@ class OperatorConfig:
             request_timeout_seconds=_float(env, "COREFLEET_OPERATOR_REQUEST_TIMEOUT_SECONDS", 10.0),
             admin_probe=env.get("COREFLEET_OPERATOR_ADMIN_PROBE", "1") not in ("0", "false"),
             admin_timeout_seconds=_float(env, "COREFLEET_OPERATOR_ADMIN_TIMEOUT_SECONDS", 1.0),
+            resync_seconds=_float(env, "COREFLEET_OPERATOR_RESYNC_SECONDS", 60.0),
         )
 
     @property
@@ -99,5 +101,6 @@ async def startup(
         admin_probe=config.admin_probe,
         admin_timeout=config.admin_timeout_seconds,
         admin_interval=config.timer_seconds,
+        resync_seconds=config.resync_seconds,
     )
     logger.info("corefleet operator configured: %s", config)
