@@ -207,7 +207,8 @@ class ApiServer:
     ) -> subprocess.CompletedProcess[str]:
         """Run the real kubectl against this server (KUBECONFIG set, its own cache folder).
 
-        `--validate=false` is added to apply/create/replace (the emulator serves no OpenAPI).
+        `--validate=false` is added to apply/create/replace (the emulator serves OpenAPI v3 for
+        custom resources only, `kubeemu_openapi`: enough for `kubectl explain ie`, not to validate).
         With `check`, a non-zero exit raises `KubectlError`; past `timeout` seconds kubectl is
         killed and `subprocess.TimeoutExpired` raised.
         """

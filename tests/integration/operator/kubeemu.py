@@ -44,7 +44,7 @@ import aiohttp.web
 import attrs
 import jsonpatch
 import kmock
-from kubeemu_discovery import DiscoveryScaffold, ResourceType
+from kubeemu_discovery import ResourceType
 from kubeemu_lifecycle import Key, Lifecycle
 from kubeemu_model import (
     apply_defaults,
@@ -56,6 +56,7 @@ from kubeemu_model import (
     set_path,
     strategic_merge,
 )
+from kubeemu_openapi import OpenApiScaffold
 from kubeemu_pods import PodEndpoints, PodLogs
 from kubeemu_printers import printer_for
 from kubeemu_request import (
@@ -88,7 +89,7 @@ def _json(body: Any, status: int = 200) -> aiohttp.web.Response:
 
 
 @attrs.define(kw_only=True)
-class KubeEmu(PodEndpoints, Lifecycle, DiscoveryScaffold):
+class KubeEmu(PodEndpoints, Lifecycle, OpenApiScaffold):
     """The emulator; serve it with `kubeemu_server.serve` or `ServedInThread`."""
 
     pod_termination_seconds: float | None = None  # None: pods vanish at once when deleted

@@ -1,0 +1,89 @@
+"""kubectl ergonomics of the InferenceEngine with the real kubectl: `get -o wide` and `explain`.
+
+The server answers `kubectl get` with a Table of every printer column, each with its priority;
+kubectl prints the priority-0 ones, and the priority-1 ones too with `-o wide`. `kubectl explain`
+reads the CRD's schema from the server's OpenAPI v3 documents (`kubeemu_openapi`), so what it
+prints are the CRD's descriptions. `kubectl describe ie` with the operator's Events is in
+tests/integration/operator/test_operator_events.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+from apiserver import CRD_FILE, REPO, ApiServer, parse_table
+
+pytestmark = pytest.mark.e2e
+EXAMPLE = REPO / "examples" / "smollm2-cpu.yaml"
+IE = "corefleet.dev/v1alpha1/inferenceengines"
+SCHEMA = yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+DEFAULT_COLUMNS = ["NAME", "RANKS", "READY", "ENDPOINT", "AGE"]
+WIDE_COLUMNS = ["DP", "TP", "UP-TO-DATE", "ROUTING", "COORDINATOR", "SHUTDOWN", "MODEL"]
+
+
+def words(text: str) -> str:
+    """Text with its whitespace runs made single spaces (kubectl explain wraps lines)."""
+    return " ".join(text.split())
+
+
+def test_get_wide_shows_the_parallel_layout_and_routing(api_server: ApiServer) -> None:
+    api_server.kubectl("apply", "-f", str(EXAMPLE))
+    example = yaml.safe_load(EXAMPLE.read_text())["spec"]
+    [row] = parse_table(api_server.kubectl("get", "ie").stdout)
+    assert list(row) == DEFAULT_COLUMNS  # tests/e2e/test_smollm2_fleet.py reads RANKS and READY
+
+    api_server.patch_status(
+        IE, "default", "smollm2", {"updatedReplicas": 2, "coordinatorReady": True}
+    )
+    [wide] = parse_table(api_server.kubectl("get", "ie", "-o", "wide").stdout)
+    assert list(wide) == DEFAULT_COLUMNS + WIDE_COLUMNS
+    assert wide["DP"] == str(example["dataParallelSize"])
+    assert wide["TP"] == "1"  # the schema's default
+    assert wide["UP-TO-DATE"] == "2" and wide["COORDINATOR"] == "true"
+    assert wide["ROUTING"] == (example.get("coordinator") or {}).get("routing", "LeastLoaded")
+    assert wide["SHUTDOWN"] == (example.get("shutdown") or {}).get("mode", "Drain")
+    assert wide["MODEL"] == example["model"]["path"]
+
+    api_server.kubectl("scale", "ie/smollm2", "--replicas=3")
+    [wide] = parse_table(api_server.kubectl("get", "ie", "smollm2", "-o", "wide").stdout)
+    assert wide["DP"] == "3"
+
+
+def test_explain_spec_prints_every_fields_description(api_server: ApiServer) -> None:
+    out = api_server.kubectl("explain", "ie.spec").stdout
+    assert re.search(r"KIND:\s+InferenceEngine", out) and re.search(r"VERSION:\s+v1alpha1", out)
+    spec = SCHEMA["properties"]["spec"]
+    text = words(out)
+    assert words(spec["description"]) in text
+    for name, field in spec["properties"].items():
+        assert re.search(rf"^  {name}\t<", out, re.M), f"{name} is not listed"
+        assert words(field["description"]) in text, f"{name}'s description is not shown"
+
+
+def test_explain_reaches_nested_fields_and_recurses(api_server: ApiServer) -> None:
+    field = SCHEMA["properties"]["spec"]["properties"]["engine"]["properties"]["maxNumSeqs"]
+    out = api_server.kubectl("explain", "ie.spec.engine.maxNumSeqs").stdout
+    assert re.search(r"FIELD:\s+maxNumSeqs <integer>", out)
+    assert words(field["description"]) in words(out)
+
+    status = api_server.kubectl("explain", "inferenceengine.status.ranks.stage").stdout
+    assert "Draining" in status
+
+    listed = api_server.kubectl("explain", "ie.spec", "--recursive").stdout
+    for name in ("gpuMemoryUtilization", "claimName", "apiKeySecretRef", "drainTimeoutSeconds"):
+        assert re.search(rf"^\s+{name}\s+<", listed, re.M), name
+
+
+def test_the_openapi_index_names_the_crd_group_version(api_server: ApiServer) -> None:
+    _, index = api_server.request("GET", "/openapi/v3", expect=200)
+    url = index["paths"]["apis/corefleet.dev/v1alpha1"]["serverRelativeURL"]
+    assert url.startswith("/openapi/v3/apis/corefleet.dev/v1alpha1?hash=")
+    _, doc = api_server.request("GET", url, expect=200)
+    schema = doc["components"]["schemas"]["dev.corefleet.v1alpha1.InferenceEngine"]
+    assert schema["x-kubernetes-group-version-kind"] == [
+        {"group": "corefleet.dev", "version": "v1alpha1", "kind": "InferenceEngine"}
+    ]
+    assert schema["properties"]["spec"] == SCHEMA["properties"]["spec"]
+    api_server.request("GET", "/openapi/v3/apis/nothing.example/v1", expect=404)
