@@ -10,8 +10,11 @@ label/field selectors, watches that resume from a resourceVersion (410 Expired p
 window) and honour `timeoutSeconds`, 201 on create, CRD schema defaulting, `pods/binding` and
 `pods/log` through a hook (`kubeemu_pods`), deletecollection, server-side printing for kubectl
 (`kubeemu_table`, `kubeemu_printers`), strategic merge patches (a subset, `kubeemu_model`), deletion
-with finalizers, graceful pod termination and garbage collection (`kubeemu_lifecycle`), and O(1)
-dispatch while no reaction is declared (kmock re-filters its request log per request).
+with finalizers, graceful pod termination and garbage collection, Foreground included
+(`kubeemu_lifecycle`), CRD establishment and clean-up with the real server's 404 for kinds it does
+not serve (`kubeemu_crds`, `crd_establish_seconds`), the update rules (`kubeemu_writes`), watch
+bookmarks (`bookmark_seconds`), and O(1) dispatch while no reaction is declared (kmock re-filters
+its request log per request). docs/local-cluster.md lists the conventions and their tests.
 
 Pod deletion, three ways:
 - default: a pod without finalizers goes at once, like any object;
@@ -25,9 +28,9 @@ Pod deletion, three ways:
 In every mode finalizers hold an object until they are removed.
 
 Not emulated: controllers (tests or the e2e kubelet play them), schema validation and CEL (see
-tests/unit/operator/test_operator_crd.py), server-side apply, protobuf bodies, dryRun,
-Foreground deletion, RBAC. Such requests, like every refused one, get a `v1 Status` answer with
-the real server's code and reason (`kubeemu_request`).
+tests/unit/operator/test_operator_crd.py), server-side apply, protobuf bodies, dryRun, RBAC
+and admission, namespace existence, CRD versions' conversion. Such requests, like every refused
+one, get a `v1 Status` answer with the real server's code and reason (`kubeemu_request`).
 """
 
 from __future__ import annotations
@@ -35,26 +38,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import aiohttp.web
 import attrs
-import jsonpatch
 import kmock
+from kubeemu_crds import CRDS, CrdControllers
 from kubeemu_discovery import ResourceType
 from kubeemu_lifecycle import Key, Lifecycle
 from kubeemu_model import (
     apply_defaults,
     fields_match,
-    get_path,
     labels_match,
-    merge_patch,
     now_rfc3339,
-    set_path,
-    strategic_merge,
 )
 from kubeemu_openapi import OpenApiScaffold
 from kubeemu_pods import PodEndpoints, PodLogs
@@ -64,7 +62,6 @@ from kubeemu_request import (
     check_content_type,
     check_name,
     check_not_dry_run,
-    conflict,
     delete_options,
     json_body,
     not_found,
@@ -73,6 +70,14 @@ from kubeemu_request import (
 )
 from kubeemu_table import to_table
 from kubeemu_watch import Event, EventLog, stream
+from kubeemu_writes import (
+    check_finalizers,
+    check_resource_version,
+    isolated,
+    next_generation,
+    patched,
+    scale_view,
+)
 
 __all__ = ["KubeEmu", "ResourceType"]
 OBJECT_VIEWS = (None, "status", "scale")  # subresources read and written as (part of) the object
@@ -89,13 +94,15 @@ def _json(body: Any, status: int = 200) -> aiohttp.web.Response:
 
 
 @attrs.define(kw_only=True)
-class KubeEmu(PodEndpoints, Lifecycle, OpenApiScaffold):
+class KubeEmu(PodEndpoints, CrdControllers, Lifecycle, OpenApiScaffold):
     """The emulator; serve it with `kubeemu_server.serve` or `ServedInThread`."""
 
     pod_termination_seconds: float | None = None  # None: pods vanish at once when deleted
     kubelet_finalizes_pods: bool = False  # True: scheduled pods wait for the kubelet's delete
     history_size: int = 5000  # watch events kept for resuming from a resourceVersion
     pod_logs: PodLogs | None = None  # serves `kubectl logs` (see kubeemu_pods)
+    crd_establish_seconds: float = 0.0  # a CRD created through the API is served after this
+    bookmark_seconds: float = 1.0  # BOOKMARK events this often to watches that allow them
 
     objects: dict[Key, dict[str, Any]] = attrs.field(factory=dict, init=False)
     deleted: list[dict[str, Any]] = attrs.field(factory=list, init=False)  # last states, in order
@@ -180,19 +187,7 @@ class KubeEmu(PodEndpoints, Lifecycle, OpenApiScaffold):
     # --- reads
     def _view(self, key: Key, subresource: str | None) -> dict[str, Any]:
         obj = self.objects[key]
-        if subresource != "scale":
-            return obj
-        meta = obj["metadata"]
-        return {
-            "apiVersion": "autoscaling/v1",
-            "kind": "Scale",
-            "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion")},
-            "spec": {"replicas": get_path(obj, self.types[key[0]].replicas_path)},
-            "status": {
-                "replicas": get_path(obj, ".status.replicas") or 0,
-                "selector": get_path(obj, ".status.selector") or "",
-            },
-        }
+        return scale_view(obj, self.types[key[0]]) if subresource == "scale" else obj
 
     def _table(self, request: kmock.Request, path: str, objs: list[Any]) -> dict[str, Any]:
         """A Table of objects; one object's Table carries that object's resourceVersion."""
@@ -248,8 +243,8 @@ class KubeEmu(PodEndpoints, Lifecycle, OpenApiScaffold):
                     "resourceVersion": str(self._last_rv),
                     "annotations": {"k8s.io/initial-events-end": "true"},
                 }
-                kind = {"apiVersion": _gv(request), "kind": self.types[path].kind}
-                replay.append({"type": "BOOKMARK", "object": {**kind, "metadata": meta}})
+                gvk = {"apiVersion": _gv(request), "kind": self.types[path].kind}
+                replay.append({"type": "BOOKMARK", "object": {**gvk, "metadata": meta}})
         else:
             try:
                 replay = self._events.since(path, int(since))
@@ -266,9 +261,27 @@ class KubeEmu(PodEndpoints, Lifecycle, OpenApiScaffold):
             return {**event, "object": self._table(request, path, [obj])} if table else event
 
         timeout = float(request.params.get("timeoutSeconds") or 3600)
+        kind = {"apiVersion": _gv(request), "kind": self.types[path].kind}
+
+        def bookmark() -> Event:
+            return {
+                "type": "BOOKMARK",
+                "object": {**kind, "metadata": {"resourceVersion": str(self._last_rv)}},
+            }
+
+        marks = bookmark if request.params.get("allowWatchBookmarks") == "true" else None
         queue = self._events.subscribe(path)
         try:
-            return await stream(request._raw_request, replay, queue, shown, timeout, expired)
+            return await stream(
+                request._raw_request,
+                replay,
+                queue,
+                shown,
+                timeout,
+                expired,
+                marks,
+                self.bookmark_seconds,
+            )
         finally:
             self._events.unsubscribe(path, queue)
 
@@ -291,6 +304,9 @@ class KubeEmu(PodEndpoints, Lifecycle, OpenApiScaffold):
         if not meta.get("name"):
             raise StatusError(422, "Invalid", "metadata.name: Required value: name is required")
         check_name(meta["name"])
+        if rtype.crd is not None and self._crd_terminating(rtype.crd):
+            why = "create not allowed while custom resource definition is terminating"
+            raise StatusError(405, "MethodNotAllowed", why)
         if rtype.namespaced and not ns:
             raise StatusError(405, "MethodNotAllowed", f"{rtype.kind} needs a namespace in the URL")
         if rtype.namespaced and meta.get("namespace") not in (None, "", ns):
@@ -317,53 +333,21 @@ class KubeEmu(PodEndpoints, Lifecycle, OpenApiScaffold):
             body.pop("status", None)
         if rtype.schema is not None:
             apply_defaults(rtype.schema, body)
+        if path == CRDS:
+            self._crd_created(body)  # its status; served now or once established
         self.objects[key] = body
         self._uids.add(meta["uid"])
         self._emit(path, "ADDED", body)
-        if path == "apiextensions.k8s.io/v1/customresourcedefinitions":
-            self.register_crd(body)
         owners = meta.get("ownerReferences") or []
         if owners and not any(o.get("uid") in self._uids for o in owners):
             self._delete(key)  # garbage: every owner is already gone
         return _json(body, 201)
 
-    def _patched(self, request: kmock.Request, current: dict[str, Any], method: str) -> Any:
-        """(the new object, the resourceVersion the writer expects or None)."""
-        ctype = check_content_type(request.headers)
-        patch = json_body(request.body, None)
-        is_json_patch = "json-patch" in ctype or (method == "PATCH" and isinstance(patch, list))
-        if not isinstance(patch, list if is_json_patch else dict):
-            raise StatusError(400, "BadRequest", f"a {ctype or 'JSON'} body of the wrong shape")
-        if is_json_patch:
-            try:
-                return jsonpatch.apply_patch(current, patch), None
-            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
-                raise StatusError(
-                    422, "Invalid", f"the server rejected our request: {exc}"
-                ) from exc
-        want_rv = (patch.get("metadata") or {}).get("resourceVersion")
-        if method == "PUT":
-            return (patch if request.subresource is None else merge_patch(current, patch)), want_rv
-        merge = strategic_merge if "strategic" in ctype else merge_patch
-        return merge(current, patch), want_rv
-
     def _update(self, request: kmock.Request, key: Key, method: str) -> aiohttp.web.Response:
         current, rtype, sub = self.objects[key], self.types[key[0]], request.subresource
-        new, want_rv = self._patched(request, current, method)
-        if want_rv and want_rv != current["metadata"]["resourceVersion"]:
-            why = "the object has been modified; please apply your changes to the latest version and try again"  # noqa: E501
-            raise conflict(key[0], key[2], why)
-        if sub == "scale":
-            replicas = get_path(new, ".spec.replicas")
-            if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
-                raise StatusError(422, "Invalid", f"spec.replicas: Invalid value: {replicas!r}")
-            new = json.loads(json.dumps(current))
-            set_path(new, rtype.replicas_path, replicas)
-        elif sub == "status":
-            new = {**current, "status": new.get("status")}
-        elif "status" in rtype.subresources and key[0] != "v1/namespaces":
-            new = {**new, "status": current.get("status")}
-            new = {k: v for k, v in new.items() if v is not None or k != "status"}
+        new, want_rv = patched(request, current, method, rtype)
+        check_resource_version(key[0], key[2], current, want_rv)
+        new = isolated(rtype, key[0], sub, current, new)
         if not isinstance(new.get("metadata", {}), dict):
             raise StatusError(400, "BadRequest", "metadata must be an object")
         meta = new.setdefault("metadata", {})
@@ -372,13 +356,15 @@ class KubeEmu(PodEndpoints, Lifecycle, OpenApiScaffold):
             if field in current["metadata"]:
                 meta[field] = current["metadata"][field]
         new.update(apiVersion=current.get("apiVersion"), kind=current.get("kind"))
-        generation = int(current["metadata"].get("generation") or 1)
-        meta["generation"] = generation + (new.get("spec") != current.get("spec"))
+        check_finalizers(current, new)
         if rtype.schema is not None:
             apply_defaults(rtype.schema, new)
+        meta["generation"] = next_generation(rtype, current, new)
         meta["resourceVersion"] = self._next_rv()
         self.objects[key] = new
         self._emit(key[0], "MODIFIED", new)
+        if key[0] == CRDS:
+            self._crd_updated(new)
         if self._can_go(meta):
             self._remove(key)
         return _json(self._view(key, sub) if key in self.objects else new)

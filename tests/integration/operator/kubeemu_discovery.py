@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import aiohttp.web
 import attrs
 import kmock
 from kmock._internal import parsing
@@ -38,7 +39,7 @@ BUILTINS = [  # (group/version, plural, kind, namespaced, subresources)
         "customresourcedefinitions",
         "CustomResourceDefinition",
         False,
-        set(),
+        {"status"},
     ),
 ]
 SHORT_NAMES = {
@@ -56,6 +57,16 @@ SHORT_NAMES = {
     "customresourcedefinitions": ["crd", "crds"],
 }
 IN_ALL = {"pods", "services", "deployments"}  # `kubectl get all`
+UNKNOWN_RESOURCE = {  # what the real server answers for a resource or group it does not serve
+    "apiVersion": "v1",
+    "kind": "Status",
+    "metadata": {},
+    "status": "Failure",
+    "message": "the server could not find the requested resource",
+    "reason": "NotFound",
+    "details": {},
+    "code": 404,
+}
 SUBRESOURCE_DISCOVERY: dict[str, dict[str, Any]] = {
     "scale": {"kind": "Scale", "group": "autoscaling", "version": "v1"},
     "binding": {"kind": "Binding", "verbs": ["create"]},
@@ -87,6 +98,7 @@ class ResourceType:
     schema: Mapping[str, Any] | None = None
     replicas_path: str = ".spec.replicas"
     printer_columns: Sequence[Mapping[str, Any]] | None = None  # set (maybe empty) for CRDs
+    crd: str | None = None  # the defining CustomResourceDefinition's name; None: built in
 
 
 @attrs.define(kw_only=True)
@@ -145,7 +157,21 @@ class DiscoveryScaffold(kmock.KubernetesScaffold):
                 schema=(version.get("schema") or {}).get("openAPIV3Schema"),
                 replicas_path=(subs.get("scale") or {}).get("specReplicasPath", ".spec.replicas"),
                 printer_columns=list(version.get("additionalPrinterColumns") or []),
+                crd=(crd.get("metadata") or {}).get("name") or f"{names['plural']}.{spec['group']}",
             )
+
+    def unregister_crd(self, name: str) -> list[str]:
+        """Stop serving the resources a CustomResourceDefinition defined; their paths."""
+        paths = [path for path, rtype in self.types.items() if rtype.crd == name]
+        for path in paths:
+            del self.types[path]
+            del self.resources[path]
+        return paths
+
+    async def _render_error(self, exc: Exception) -> aiohttp.web.StreamResponse:
+        if isinstance(exc, kmock.KubernetesNotFoundError):  # a path no served resource matches
+            return aiohttp.web.json_response(UNKNOWN_RESOURCE, status=404)
+        return await super()._render_error(exc)
 
     async def _serve_version(self, request: kmock.Request) -> Any:
         doc = await super()._serve_version(request)

@@ -4,10 +4,18 @@
 the API server: finalizers hold an object (with `deletionTimestamp` set and
 `deletionGracePeriodSeconds: 0`) until they are removed; DeleteOptions' preconditions are
 checked (409 on a mismatch); a second DELETE of a terminating object may only shorten its grace
-period. Pods, in the modes `KubeEmu`'s docstring describes, linger for `pod_termination_seconds`
-or until the kubelet's final `gracePeriodSeconds=0` DELETE. Removing an object deletes its
-dependents (ownerReferences to its uid), gracefully for pods, unless it was deleted with
-`propagationPolicy: Orphan`, which strips the reference from them instead.
+period; setting `deletionTimestamp` bumps `metadata.generation`. Pods, in the modes `KubeEmu`'s
+docstring describes, linger for `pod_termination_seconds` or until the kubelet's final
+`gracePeriodSeconds=0` DELETE. Garbage collection, by `propagationPolicy`:
+- Background (the default): removing an object deletes its dependents (ownerReferences to its
+  uid), gracefully for pods;
+- Orphan: removing it strips the reference from its dependents instead;
+- Foreground: the owner gets the `foregroundDeletion` finalizer and `deletionTimestamp`, its
+  dependents are deleted at once (those with `blockOwnerDeletion` that own objects themselves in
+  the foreground too), and the finalizer goes once no dependent with `blockOwnerDeletion: true`
+  is left (dependents without it do not hold the owner); then the owner goes, unless other
+  finalizers hold it.
+A CRD's deletion is `kubeemu_crds`'s.
 """
 
 from __future__ import annotations
@@ -16,9 +24,10 @@ import asyncio
 import datetime
 import itertools
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from kubeemu_crds import CRDS
 from kubeemu_discovery import ResourceType
 from kubeemu_model import get_path
 from kubeemu_request import DeleteOptions, conflict
@@ -26,6 +35,8 @@ from kubeemu_table import parse_time
 from kubeemu_watch import EventLog
 
 Key = tuple[str, str, str]  # (resource path "group/version/plural", namespace or "", name)
+FOREGROUND = "foregroundDeletion"  # the finalizer of an owner deleted with Foreground
+FOREGROUND_POLICY = {True: "Foreground", False: "Background"}
 
 
 def rfc3339(epoch: float) -> str:
@@ -50,6 +61,11 @@ class Lifecycle:
     _uids: set[str]
     _orphaning: set[str]
     _tasks: set[asyncio.Task[None]]
+    _crd_deleting: Callable[[dict[str, Any]], None]
+    _crd_clean_up: Callable[[str], None]
+    _crd_release: Callable[[str], None]
+    _crd_terminating: Callable[[str], bool]
+    unregister_crd: Callable[[str], list[str]]
 
     def _emit(self, path: str, kind: str, obj: dict[str, Any]) -> None:
         """Record a watch event."""
@@ -94,6 +110,13 @@ class Lifecycle:
                 raise conflict(key[0], key[2], why)
         if opts.propagation_policy == "Orphan":
             self._orphaning.add(meta["uid"])
+        if not meta.get("deletionTimestamp"):
+            if key[0] == CRDS:
+                self._crd_deleting(obj)
+            if opts.propagation_policy == "Foreground" and FOREGROUND not in (
+                meta.get("finalizers") or []
+            ):
+                meta["finalizers"] = [*(meta.get("finalizers") or []), FOREGROUND]
         if meta.get("deletionTimestamp"):
             pending, wanted = meta.get("deletionGracePeriodSeconds"), opts.grace_period_seconds
             if pending and wanted is not None and max(wanted, 0) < pending:  # only shortens
@@ -117,12 +140,20 @@ class Lifecycle:
         if grace or meta.get("finalizers") or linger:
             now = datetime.datetime.now(datetime.timezone.utc).timestamp()
             meta.update(deletionTimestamp=rfc3339(now + grace), resourceVersion=self._next_rv())
+            if meta.get("generation"):  # the API server's signal to controllers, as a spec change
+                meta["generation"] = int(meta["generation"]) + 1
             if not linger:
                 meta["deletionGracePeriodSeconds"] = grace
             self._emit(key[0], "MODIFIED", obj)
+            answer: dict[str, Any] = json.loads(json.dumps(obj))  # the state this DELETE left
             if linger and not meta.get("finalizers"):
                 self._later(self.pod_termination_seconds or 0.0, key, meta["uid"])
-            return obj
+            if key[0] == CRDS:
+                self._crd_clean_up(key[2])
+            if FOREGROUND in (meta.get("finalizers") or []):
+                self._delete_dependents(meta["uid"])
+                self._foreground_release(meta["uid"])
+            return answer
         self._remove(key)
         return obj
 
@@ -138,25 +169,75 @@ class Lifecycle:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _dependents(self, uid: str, blocking: bool = False) -> list[Key]:
+        """Objects with an ownerReference to `uid` (only those with blockOwnerDeletion)."""
+        return [
+            dep_key
+            for dep_key, dep in list(self.objects.items())
+            if any(
+                o.get("uid") == uid and (o.get("blockOwnerDeletion") or not blocking)
+                for o in dep["metadata"].get("ownerReferences") or []
+            )
+        ]
+
+    def _delete_dependents(self, uid: str) -> None:
+        """Foreground deletion: delete an owner's dependents; blocking ones with dependents of
+        their own in the foreground too, as the garbage collector does."""
+        blocking = set(self._dependents(uid, blocking=True))
+        for dep_key in self._dependents(uid):
+            dep = self.objects.get(dep_key)
+            if dep is None or dep["metadata"].get("deletionTimestamp"):
+                continue
+            deep = dep_key in blocking and self._dependents(dep["metadata"]["uid"])
+            self._delete(dep_key, DeleteOptions(propagation_policy=FOREGROUND_POLICY[bool(deep)]))
+
+    def _foreground_release(self, uid: str) -> None:
+        """Drop the foregroundDeletion finalizer of the owner `uid` once no dependent with
+        blockOwnerDeletion is left; the owner goes then unless other finalizers hold it."""
+        key = next((k for k, o in list(self.objects.items()) if o["metadata"]["uid"] == uid), None)
+        if key is None or self._dependents(uid, blocking=True):
+            return
+        meta = self.objects[key]["metadata"]
+        if FOREGROUND not in (meta.get("finalizers") or []):
+            return
+        meta["finalizers"] = [f for f in meta["finalizers"] if f != FOREGROUND]
+        if not meta["finalizers"]:
+            del meta["finalizers"]
+        meta["resourceVersion"] = self._next_rv()
+        self._emit(key[0], "MODIFIED", self.objects[key])
+        if self._can_go(meta):
+            self._remove(key)
+
     def _remove(self, key: Key) -> None:
         """Drop an object from the store (DELETED event) and collect its dependents."""
         obj = self.objects.pop(key)
         obj["metadata"]["resourceVersion"] = self._next_rv()
         self.deleted.append(obj)
         self._emit(key[0], "DELETED", obj)
+        if key[0] == CRDS:
+            self.unregister_crd(key[2])
+        crd = self.types[key[0]].crd if key[0] in self.types else None
+        if crd is not None and self._crd_terminating(crd):
+            self._crd_release(crd)
+        for owner in obj["metadata"].get("ownerReferences") or []:
+            if owner.get("blockOwnerDeletion") and owner.get("uid"):
+                self._foreground_release(owner["uid"])
         uid = obj["metadata"]["uid"]  # garbage collection of dependents
         self._uids.discard(uid)
         orphan = uid in self._orphaning
         self._orphaning.discard(uid)
-        for dep_key, dep in list(self.objects.items()):
-            owners = dep["metadata"].get("ownerReferences") or []
-            if dep_key not in self.objects or not any(o.get("uid") == uid for o in owners):
+        for dep_key in self._dependents(uid):
+            dep = self.objects.get(dep_key)
+            if dep is None:
                 continue
+            owners = dep["metadata"].get("ownerReferences") or []
             if not orphan:
                 self._delete(dep_key)
                 continue
             dep = json.loads(json.dumps(dep))
             dep["metadata"]["ownerReferences"] = [o for o in owners if o.get("uid") != uid]
+            if not dep["metadata"]["ownerReferences"]:  # an empty list is not stored
+                del dep["metadata"]["ownerReferences"]
             dep["metadata"]["resourceVersion"] = self._next_rv()
             self.objects[dep_key] = dep
             self._emit(dep_key[0], "MODIFIED", dep)

@@ -18,7 +18,7 @@ import attrs
 
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 TABLES = ("v1", "v1beta1")  # meta.k8s.io Table versions served (the same document)
-PROPAGATION_POLICIES = {"Background", "Orphan"}  # Foreground is refused as not emulated
+PROPAGATION_POLICIES = {"Background", "Foreground", "Orphan"}
 
 
 class StatusError(Exception):
@@ -175,10 +175,6 @@ def delete_options(request_body: bytes, params: Mapping[str, str]) -> DeleteOpti
     if body.get("orphanDependents", params.get("orphanDependents")) in (True, "true"):
         policy = policy or "Orphan"
     policy = policy or "Background"
-    if policy == "Foreground":
-        raise StatusError(
-            400, "BadRequest", "propagationPolicy Foreground is not emulated (Background is)"
-        )
     if policy not in PROPAGATION_POLICIES:
         raise StatusError(422, "Invalid", f"propagationPolicy: Unsupported value: {policy!r}")
     try:

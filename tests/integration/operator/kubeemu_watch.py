@@ -1,8 +1,11 @@
 """Watch events of the Kubernetes emulator: a bounded replay history and the live subscribers.
 
 A watch that starts from a resourceVersion gets every later event of its resource from the
-history; one older than the history holds is told `410 Expired` (an ERROR event, as the real
-server does), and clients such as kopf and kubectl then list again.
+history; one older than the history holds is told `410 Expired` (HTTP 200, then an ERROR event
+whose object is the `v1 Status`, as the real server does), and clients such as kopf and kubectl
+then list again. A watch with `allowWatchBookmarks=true` gets a BOOKMARK event (the kind, and
+only `metadata.resourceVersion`, the store's latest) whenever it had no event for
+`KubeEmu.bookmark_seconds` (the real server sends one about every minute).
 """
 
 from __future__ import annotations
@@ -71,10 +74,13 @@ async def stream(
     shown: Callable[[Event], Event | None],
     timeout: float,
     expired: StatusError | None = None,
+    bookmark: Callable[[], Event] | None = None,
+    bookmark_every: float = 1.0,
 ) -> aiohttp.web.StreamResponse:
     """Answer a watch: the replayed events, then the queue's, as JSON lines, for `timeout`
     seconds or until the client leaves; `shown` filters/renders each event (None: skipped).
-    With `expired`, the only event is that ERROR, and the stream ends."""
+    With `expired`, the only event is that ERROR, and the stream ends. With `bookmark`, a
+    BOOKMARK event it makes goes out whenever nothing else did for `bookmark_every` seconds."""
     response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
     await response.prepare(raw_request)
     pending: asyncio.Queue[Event] = asyncio.Queue()
@@ -87,13 +93,23 @@ async def stream(
             return response
         async with asyncio.timeout(timeout):
             while True:
-                source = pending if not pending.empty() else queue
-                raw = await source.get()
+                if not pending.empty():
+                    raw = pending.get_nowait()
+                elif bookmark is None:
+                    raw = await queue.get()
+                else:
+                    try:
+                        raw = await asyncio.wait_for(queue.get(), bookmark_every)
+                    except TimeoutError:
+                        if queue.empty():  # its resourceVersion covers every event sent
+                            mark = json.dumps(bookmark())
+                            await response.write(mark.encode() + b"\n")
+                        continue
                 if raw is CLOSED:
                     break
-                event = shown(raw)
-                if event is not None:
-                    await response.write(json.dumps(event).encode() + b"\n")
+                shown_event = shown(raw)
+                if shown_event is not None:
+                    await response.write(json.dumps(shown_event).encode() + b"\n")
     except (TimeoutError, ConnectionError):
         pass
     with contextlib.suppress(ConnectionError):
