@@ -110,7 +110,8 @@ class ApiServer:
     ) -> None:
         """`emu_options` go to `KubeEmu`: `kubelet_finalizes_pods` (default True here),
         `pod_logs` (what `kubectl logs` shows; the kubelet can also set `emu.pod_logs` later),
-        `history_size`, `pod_termination_seconds`."""
+        `history_size`, `pod_termination_seconds`, `crd_establish_seconds` (CRDs created
+        through the API, `crds` included, are served after it), `bookmark_seconds`."""
         emu_options.setdefault("kubelet_finalizes_pods", True)
         self.folder = folder
         self.kubeconfig = folder / "kubeconfig"
