@@ -101,7 +101,8 @@ def _rollout_events(previous: Mapping[str, Any], current: Mapping[str, Any]) -> 
         return [EngineEvent("Normal", "RolloutStarted", str(now.get("message") or ""))]
     if was == "RollingUpdate" and now.get("reason") == "Complete":
         ranks = current.get("updatedReplicas")
-        return [EngineEvent("Normal", "RolloutComplete", f"all {ranks} ranks run the current spec")]
+        message = f"every rank runs the current spec ({ranks} updated)"
+        return [EngineEvent("Normal", "RolloutComplete", message)]
     return []
 
 

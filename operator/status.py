@@ -105,7 +105,10 @@ def _degraded(ranks: Sequence[Mapping[str, Any]], plan: Plan, ctx: Context) -> C
     return Condition("Degraded", "False", "AllRanksHealthy", "no rank is failing")
 
 
-def _progressing(spec: EngineSpec, ranks: Sequence[Mapping[str, Any]], plan: Plan) -> Condition:
+def _progressing(
+    spec: EngineSpec, ranks: Sequence[Mapping[str, Any]], plan: Plan, rolling: bool
+) -> Condition:
+    """`rolling`: the previous status said RollingUpdate; it goes on until the new ranks serve."""
     size = spec.data_parallel_size
     if plan.deadline_exceeded:
         return Condition(
@@ -127,6 +130,13 @@ def _progressing(spec: EngineSpec, ranks: Sequence[Mapping[str, Any]], plan: Pla
             "Progressing", "True", "WaitingForCapacity", "ranks wait for nodes with free GPUs"
         )
     pending = [e["rank"] for e in ranks if e["stage"] not in ("Ready", "Failed")]
+    if pending and rolling:
+        return Condition(
+            "Progressing",
+            "True",
+            "RollingUpdate",
+            f"ranks {pending} of the current spec are starting",
+        )
     if pending:
         return Condition("Progressing", "True", "RanksStarting", f"ranks {pending} are starting")
     return Condition("Progressing", "False", "Complete", "all ranks run the current spec")
@@ -148,6 +158,11 @@ def _ready(
     if ready < size:
         return Condition("Ready", "False", "RanksNotReady", f"{ready}/{size} ranks ready")
     return Condition("Ready", "True", "AllRanksReady", f"{ready}/{size} ranks ready")
+
+
+def _reason(status: Mapping[str, Any], kind: str) -> str | None:
+    found = [c for c in status.get("conditions") or [] if c.get("type") == kind]
+    return found[0].get("reason") if found else None
 
 
 def conditions_with_times(
@@ -196,7 +211,7 @@ def compute_status(
     )
     conditions = [
         _ready(spec, ranks, ready, ctx),
-        _progressing(spec, ranks, plan),
+        _progressing(spec, ranks, plan, _reason(previous, "Progressing") == "RollingUpdate"),
         _degraded(ranks, plan, ctx),
     ]
     for entry in ranks:

@@ -4,7 +4,7 @@ The server answers `kubectl get` with a Table of every printer column, each with
 kubectl prints the priority-0 ones, and the priority-1 ones too with `-o wide`. `kubectl explain`
 reads the CRD's schema from the server's OpenAPI v3 documents (`kubeemu_openapi`), so what it
 prints are the CRD's descriptions. `kubectl describe ie` with the operator's Events is in
-tests/integration/operator/test_operator_events.py.
+tests/integration/operator/test_operator_describe.py.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def test_rollout_start_and_end() -> None:
     assert reasons(progressing("RollingUpdate"), progressing("RollingUpdate")) == []
     done = transition_events(progressing("RollingUpdate"), progressing("Complete"))
     assert [(e.reason, e.message) for e in done] == [
-        ("RolloutComplete", "all 2 ranks run the current spec")
+        ("RolloutComplete", "every rank runs the current spec (2 updated)")
     ]
     assert reasons(progressing("RanksStarting"), progressing("Complete")) == []
 

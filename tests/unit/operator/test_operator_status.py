@@ -293,3 +293,20 @@ def test_missing_rank_is_pending_and_updated_flags_follow_the_hash():
     }
     assert status["ranks"][0]["updated"] is False and status["updatedReplicas"] == 0
     assert CURRENT != OLD
+
+
+def test_a_rolling_update_lasts_until_the_replaced_ranks_serve():
+    rolling = status_for(2, [pod(0, hash=OLD), pod(1)])
+    assert conditions(rolling)["Progressing"] == ("True", "RollingUpdate")
+    # Rank 0 was replaced: its new pod loads. Still the rollout, not a plain start.
+    starting = status_for(2, [pod(0, ready=False, age=10), pod(1)], previous=rolling)
+    assert conditions(starting)["Progressing"] == ("True", "RollingUpdate")
+    assert "of the current spec are starting" in starting["conditions"][1]["message"]
+    done = status_for(2, [pod(0), pod(1)], previous=starting)
+    assert conditions(done)["Progressing"] == ("False", "Complete")
+    # Without a rollout before, a loading rank is just starting.
+    assert conditions(status_for(2, [pod(0, ready=False, age=10), pod(1)]))["Progressing"] == (
+        "True",
+        "RanksStarting",
+    )
+    assert status_for(2, [pod(0), pod(1)])["coordinatorReady"] is True
