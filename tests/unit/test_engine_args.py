@@ -1,12 +1,11 @@
 """Engine flags <-> EngineConfig: the argv a client hands to ``corefleet engine-core`` must
-rebuild exactly the config it was made from, for every argument of the table; the keywords
-``LLM(...)`` takes are vLLM's names from the same table."""
+rebuild exactly the config it was made from, for every argument of the table; and the CLI's own
+parsing of those flags."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 from typing import get_args
 
 import pytest
@@ -31,8 +30,7 @@ from corefleet.engine.engine_args import (
     engine_config_from_args,
     engine_kwargs_from_args,
 )
-
-NULL_EXECUTOR = "corefleet.engine.worker.null_executor:NullExecutor"
+from tests.unit.engine_args_helpers import NON_DEFAULT
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
@@ -64,29 +62,6 @@ VLLM_FLAGS = {
     "--distributed-executor-backend",
     "--quantization",
     "--kv-cache-dtype",
-}
-
-# One non-default value per engine argument, keyed by its keyword (vLLM's EngineArgs name).
-NON_DEFAULT: dict[str, object] = {
-    "model": "/models/My Llama/llama-3.2-1b.Q8_0.gguf",
-    "served_model_name": "team/llama-small",
-    "max_model_len": 4096,
-    "dtype": "bfloat16",
-    "quantization": "none",
-    "kv_cache_dtype": "float16",
-    "seed": 1234,
-    "max_num_seqs": 7,
-    "max_num_batched_tokens": 513,
-    "enable_chunked_prefill": False,
-    "scheduling_policy": "priority",
-    "block_size": 32,
-    "enable_prefix_caching": False,
-    "kv_cache_memory": 123_456_789,
-    "num_gpu_blocks_override": 64,
-    "gpu_memory_utilization": 0.55,
-    "device": "cpu",
-    "attention_backend": "torch",
-    "distributed_executor_backend": NULL_EXECUTOR,
 }
 
 # Arguments with a single valid value: they cannot be varied, only carried with their default.
@@ -250,71 +225,6 @@ def test_a_bad_choice_in_kwargs_is_a_value_error_listing_the_choices() -> None:
         EngineConfig.from_kwargs(dtype="int8")
 
 
-# --- keyword arguments with vLLM's names ------------------------------------------------------
-
-
-def test_vllm_keyword_names_build_the_expected_config() -> None:
-    config = EngineConfig.from_kwargs(scheduling_policy="priority", num_gpu_blocks_override=48)
-    assert config.scheduler.policy == "priority"
-    assert config.cache.num_blocks_override == 48
-    assert config == EngineConfig(
-        scheduler=SchedulerConfig(policy="priority"), cache=CacheConfig(num_blocks_override=48)
-    )
-
-
-def test_field_names_are_still_accepted_where_they_differ() -> None:
-    assert EngineConfig.from_kwargs(policy="priority", num_blocks_override=48) == (
-        EngineConfig.from_kwargs(scheduling_policy="priority", num_gpu_blocks_override=48)
-    )
-
-
-def test_one_setting_under_both_names_is_a_type_error() -> None:
-    with pytest.raises(TypeError, match=r"scheduling_policy.*twice"):
-        EngineConfig.from_kwargs(policy="fcfs", scheduling_policy="priority")
-
-
-def test_unknown_kwarg_is_a_type_error_naming_it() -> None:
-    with pytest.raises(TypeError, match="'max_num_sequences'") as info:
-        EngineConfig.from_kwargs(max_num_sequences=4)
-    assert "did you mean 'max_num_seqs'" in str(info.value)
-    assert "scheduling_policy" in str(info.value)  # the accepted names are listed
-
-
-def test_llm_rejects_an_unknown_kwarg_before_loading_anything() -> None:
-    from corefleet.engine.frontend.llm import LLM
-
-    with pytest.raises(TypeError, match="'no_such_engine_arg'"):
-        LLM("/no/such/model", no_such_engine_arg=1)
-
-
-def test_llm_takes_vllm_keyword_names(tmp_path: Path) -> None:
-    """A real (tiny, in-process) LLM built with vLLM's names, and a priority-ordered batch."""
-    from corefleet.engine.frontend.llm import LLM
-    from corefleet.engine.messages import SamplingParams
-    from tests.fixtures_models import write_tiny_llama
-
-    folder = write_tiny_llama(tmp_path / "m")
-    llm = LLM(
-        str(folder),
-        multiprocess=False,
-        dtype="float32",
-        attention_backend="torch",  # the reference kernels: no C++ build needed
-        block_size=4,
-        scheduling_policy="priority",
-        num_gpu_blocks_override=32,
-    )
-    try:
-        core = llm.engine_client.engine
-        assert core.config.scheduler.policy == "priority"
-        assert core.config.cache.num_blocks_override == 32
-        assert core.scheduler.kv_cache_manager.num_free_blocks == 31  # block 0 is reserved
-        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        outputs = llm.generate(["a", "b"], params, use_tqdm=False, priority=[1, 0])
-        assert [len(o.outputs[0].token_ids) for o in outputs] == [2, 2]
-    finally:
-        llm.shutdown()
-
-
 # --- serve MODEL -----------------------------------------------------------------------------
 
 
@@ -341,94 +251,6 @@ def test_engine_core_takes_no_positional_model(capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit):
         parse_args(["engine-core", "--coordinator", "x:1", "/models/m"])
     assert "unrecognized arguments" in capsys.readouterr().err
-
-
-# --- compute_hash ----------------------------------------------------------------------------
-
-
-def test_equal_configs_hash_equal() -> None:
-    a = EngineConfig.from_kwargs(**NON_DEFAULT)
-    b = EngineConfig.from_kwargs(**NON_DEFAULT)
-    assert a is not b
-    assert a.compute_hash() == b.compute_hash()
-    assert EngineConfig().compute_hash() == EngineConfig.from_kwargs().compute_hash()
-
-
-@pytest.mark.parametrize("name", sorted(NON_DEFAULT))
-def test_changing_one_field_changes_the_hash(name: str) -> None:
-    changed = EngineConfig.from_kwargs(**{name: NON_DEFAULT[name]})
-    assert changed.compute_hash() != EngineConfig().compute_hash()
-
-
-def test_hashes_of_all_single_field_changes_are_distinct() -> None:
-    hashes = [EngineConfig().compute_hash()] + [
-        EngineConfig.from_kwargs(**{n: v}).compute_hash() for n, v in NON_DEFAULT.items()
-    ]
-    assert len(set(hashes)) == len(hashes)
-
-
-# --- ParallelConfig validation ---------------------------------------------------------------
-
-
-def test_tensor_parallel_size_above_one_is_refused() -> None:
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        ParallelConfig(tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig.from_kwargs(tensor_parallel_size=2)
-
-
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "mp",
-        "ray",
-        "",
-        "corefleet.engine.worker.null_executor.NullExecutor",
-        "corefleet.engine.worker.null_executor:",
-        ":NullExecutor",
-    ],
-)
-def test_executor_backend_must_be_uni_or_module_colon_class(backend: str) -> None:
-    with pytest.raises(ValueError, match="distributed_executor_backend"):
-        ParallelConfig(distributed_executor_backend=backend)
-
-
-def test_valid_executor_backends_are_accepted() -> None:
-    assert ParallelConfig(distributed_executor_backend="uni").distributed_executor_backend == "uni"
-    cfg = ParallelConfig(distributed_executor_backend=NULL_EXECUTOR)
-    assert cfg.distributed_executor_backend == NULL_EXECUTOR
-
-
-# --- resolve_executor_class ------------------------------------------------------------------
-
-
-def test_resolve_uni_executor() -> None:
-    from corefleet.engine.worker.executor import UniProcExecutor, resolve_executor_class
-
-    assert resolve_executor_class("uni") is UniProcExecutor
-
-
-def test_resolve_module_colon_class() -> None:
-    from corefleet.engine.worker.executor import resolve_executor_class
-    from corefleet.engine.worker.null_executor import NullExecutor
-
-    assert resolve_executor_class(NULL_EXECUTOR) is NullExecutor
-
-
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "corefleet.engine.worker.no_such_module:NullExecutor",
-        "corefleet.engine.worker.null_executor:NoSuchExecutor",
-        "corefleet.engine.transport.sockets:HEARTBEAT_IVL_MS",  # importable, but not a class
-    ],
-)
-def test_unresolvable_backend_names_the_value(backend: str) -> None:
-    from corefleet.engine.worker.executor import resolve_executor_class
-
-    with pytest.raises(ValueError) as info:
-        resolve_executor_class(backend)
-    assert backend in str(info.value)
 
 
 # --- engine-core --help ----------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Tokenizer, chat template, incremental detokenizer and stop strings.
+"""Tokenizer loading, encoding and chat templates.
 
 transformers is the reference: the same file loaded with ``AutoTokenizer`` must give the same
 ids and the same chat text. Tests on the real SmolLM2 GGUF are marked slow (the file is 98 MB
@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from corefleet.engine.frontend.detokenizer import IncrementalDetokenizer, check_stop_strings
 from corefleet.engine.frontend.tokenizer import ChatTemplateRefused, Tokenizer
 from tests.fixtures_models import (
     BOS_TOKEN,
@@ -21,37 +20,7 @@ from tests.fixtures_models import (
     write_tiny_model,
     write_tiny_tokenizer,
 )
-
-VARIED = [
-    "Hello world",
-    "The quick brown fox jumps over the lazy dog.",
-    "  leading spaces, internal   runs, and trailing  ",
-    "tabs\tand\ttabs\t\tand\nnewlines\n\n\nend",
-    "Ünïcödé café naïve — “quotes” «guillemets»",
-    "emoji 😀🚀👨‍👩‍👧 and CJK 你好，世界 こんにちは 안녕하세요",
-    "Hello 12345 world 3.14159 -42 1e10",
-    "def f(x):\n    return x ** 2  # square\n\nprint(f(3))",
-    '{"key": [1, 2, 3], "nested": {"a": null}}',
-    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
-    "<|endoftext|>text after<file_sep>more",
-    "don't can't I'M we'll they've it's",
-    "https://example.com/path?q=1&r=two#frag",
-    "",
-    " ",
-]
-
-CONVERSATIONS = [
-    [{"role": "user", "content": "Hi"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
-    [
-        {"role": "user", "content": "Tell me a joke."},
-        {"role": "assistant", "content": "Why did the chicken cross the road?"},
-        {"role": "user", "content": "Why? 🤔"},
-    ],
-]
-
-MULTIBYTE = "Sure! 😀🚀 你好，世界 — naïve café. 👨‍👩‍👧 Привет 안녕 done"
-
+from tests.unit.tokenizer_helpers import CONVERSATIONS, VARIED
 
 # -- SmolLM2 GGUF against transformers ----------------------------------------------------
 
@@ -151,13 +120,6 @@ def test_gguf_chat_template_matches_transformers(
     )
     assert ours == theirs
     assert ours.endswith("<|im_start|>assistant\n") == add_generation_prompt
-
-
-@pytest.mark.slow
-def test_gguf_incremental_detokenizer_multibyte(smol: Tokenizer) -> None:
-    prompt = smol.encode(smol.apply_chat_template(CONVERSATIONS[0]))
-    ids = smol.encode(MULTIBYTE + "<|im_end|>")
-    _check_streaming(smol, prompt, ids)
 
 
 # -- tiny HF folder against transformers --------------------------------------------------
@@ -325,93 +287,3 @@ def _tiny_backend():
     from tests.fixtures_models import train_tiny_tokenizer
 
     return train_tiny_tokenizer()
-
-
-# -- incremental detokenizer --------------------------------------------------------------
-
-
-def _check_streaming(tok: Tokenizer, prompt: list[int], ids: list[int]) -> None:
-    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=True)
-    deltas = [detok.add_tokens([i]) for i in ids]
-    deltas.append(detok.flush())
-    assert "".join(deltas) == tok.decode(ids) == detok.output_text
-    assert not any("\ufffd" in d for d in deltas)
-    assert detok.output_token_ids == ids
-    # Some token ended mid-character, so some step released nothing.
-    assert "" in deltas[:-1]
-
-
-def test_incremental_detokenizer_multibyte_tiny(tiny: Tokenizer) -> None:
-    prompt = tiny.encode(tiny.apply_chat_template(CONVERSATIONS[0]))
-    ids = tiny.encode(MULTIBYTE)
-    assert len(ids) > len(MULTIBYTE) // 2  # the tiny vocabulary splits characters into bytes
-    _check_streaming(tiny, prompt, ids)
-
-
-def test_incremental_detokenizer_holds_back_partial_character(tiny: Tokenizer) -> None:
-    ids = tiny.encode("a😀")
-    emoji_ids = ids[1:]
-    assert len(emoji_ids) > 1  # the emoji spans several tokens
-    detok = IncrementalDetokenizer(tiny, [], skip_special_tokens=True)
-    assert detok.add_tokens(ids[:1]) == "a"
-    for i in emoji_ids[:-1]:
-        assert detok.add_tokens([i]) == ""
-    assert detok.add_tokens(emoji_ids[-1:]) == "😀"
-    assert detok.flush() == ""
-
-
-def test_incremental_detokenizer_flush_and_batches(tiny: Tokenizer) -> None:
-    ids = tiny.encode("x😀")
-    detok = IncrementalDetokenizer(tiny, tiny.encode("prompt"), skip_special_tokens=True)
-    assert detok.add_tokens(ids[:-1]) == "x"  # several ids at once; the emoji is incomplete
-    assert detok.flush() == "\ufffd"  # finished mid-character: what a full decode shows
-    assert detok.output_text == tiny.decode(ids[:-1])
-    assert detok.add_tokens([]) == ""
-
-
-def test_incremental_detokenizer_special_tokens(tiny: Tokenizer) -> None:
-    ids = tiny.encode("hi<|im_end|>")
-    skipping = IncrementalDetokenizer(tiny, [], skip_special_tokens=True)
-    keeping = IncrementalDetokenizer(tiny, [], skip_special_tokens=False)
-    assert "".join(skipping.add_tokens([i]) for i in ids) == "hi"
-    assert "".join(keeping.add_tokens([i]) for i in ids) == "hi<|im_end|>"
-
-
-# -- stop strings -------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("text", "delta", "stops", "include", "expected"),
-    [
-        ("hello world", 5, [], False, None),
-        ("hello world", 0, ["world"], False, None),
-        ("hello world", 5, ["xyz"], False, None),
-        ("hello world", 5, ["world"], False, ("world", 6)),
-        ("hello world", 5, ["world"], True, ("world", 11)),
-        ("hello world", 3, ["o w"], False, None),  # wholly in old text: found earlier
-        ("hello world", 3, ["lo wor"], False, ("lo wor", 3)),  # spans old and new text
-        ("a STOP b END c", 12, ["END", "STOP"], False, ("STOP", 2)),  # earliest wins
-        ("a STOP b END c", 12, ["END", "STOP"], True, ("STOP", 6)),
-        ("a STOP b END c", 8, ["END", "STOP"], False, ("END", 9)),  # STOP was in old text
-        ("xxab", 2, ["ab", "a"], False, ("ab", 2)),  # same start: earlier entry wins
-        ("abc", 3, ["", "c"], False, ("c", 2)),  # empty stop strings are ignored
-    ],
-)
-def test_check_stop_strings(
-    text: str,
-    delta: int,
-    stops: list[str],
-    include: bool,
-    expected: tuple[str, int] | None,
-) -> None:
-    assert check_stop_strings(text, delta, stops, include) == expected
-
-
-def test_stop_string_streaming_finds_first_occurrence() -> None:
-    text, found = "", None
-    for piece in ["The ans", "wer is", " 42.", " Done", ". The", " end."]:
-        text += piece
-        found = check_stop_strings(text, len(piece), [".", "Done"], False)
-        if found:
-            break
-    assert found == (".", len("The answer is 42"))
