@@ -20,6 +20,7 @@ them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -29,6 +30,9 @@ from corefleet.kernels.gguf_quant import QuantFormat
 from corefleet.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
+
+Linear = Callable[[torch.Tensor], torch.Tensor]  # x [T, K] -> [T, N]
+Norm = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 
 
 class KernelBackend:
@@ -67,6 +71,25 @@ class KernelBackend:
         """
         weight = gguf_quant.dequantize(qweight, fmt, x.shape[1]).to(x.dtype)
         return torch.nn.functional.linear(x, weight, bias)
+
+    # ---- kernels bound to one layer's weights ---------------------------------------------
+    # A model binds each layer's weights once (engine/models/layer_program.py): a backend
+    # decides then what it can (the kernel, the weight's dtype and layout) and a forward pass
+    # calls the closures, without re-checking on every call. These defaults decide nothing.
+
+    def bind_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        """``x -> self.linear(x, weight, bias)`` (``weight`` [N, K], ``bias`` [N])."""
+        return lambda x: self.linear(x, weight, bias)
+
+    def bind_quant_linear(
+        self, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> Linear:
+        """``x -> self.quant_linear(x, qweight, fmt, bias)`` for activations of ``dtype``."""
+        return lambda x: self.quant_linear(x, qweight, fmt, bias)
+
+    def bind_rms_norm(self, weight: torch.Tensor, eps: float) -> Norm:
+        """``(x, residual) -> self.rms_norm(x, weight, eps, residual)``."""
+        return lambda x, residual: self.rms_norm(x, weight, eps, residual)
 
     def quant_embedding(
         self,

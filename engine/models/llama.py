@@ -11,20 +11,19 @@ by Hugging Face name) keeps them so (``quant_layers``); every other layer holds 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from corefleet.engine.models.arch import ArchConfig
+from corefleet.engine.models.layer_program import AttentionShape, KVCache, LayerProgram
 from corefleet.engine.models.quant_layers import QuantEmbedding, QuantLinear, QuantPart
 from corefleet.engine.models.rope import build_cos_sin_cache
 from corefleet.kernels import reference
-from corefleet.kernels.backend import KernelBackend
+from corefleet.kernels.backend import KernelBackend, Linear, Norm
 from corefleet.kernels.gguf_quant import QuantFormat
 from corefleet.kernels.metadata import AttentionMetadata
-
-# per layer: k, v [num_blocks, bs, Hkv, D], the activations' dtype or --kv-cache-dtype's
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -41,6 +40,10 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # normed, new residual
         return self.backend.rms_norm(x, self.weight, self.eps, residual)
 
+    def bind(self) -> Norm:
+        """``forward`` as a closure over the weight (``layer_program``)."""
+        return self.backend.bind_rms_norm(self.weight, self.eps)
+
 
 class BackendLinear(nn.Linear):
     """``nn.Linear`` (same parameters and names) whose matmul is the kernel backend's."""
@@ -53,6 +56,11 @@ class BackendLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         return self.backend.linear(x, self.weight, self.bias)
+
+    def bind(self, dtype: torch.dtype) -> Linear:
+        """``forward`` as a closure over the weight (``layer_program``); ``dtype`` is unused:
+        the weight's own dtype decides."""
+        return self.backend.bind_linear(self.weight, self.bias)
 
 
 class LinearFactory:
@@ -81,6 +89,8 @@ class LinearFactory:
 
 
 class LlamaAttention(nn.Module):
+    """Attention's parameters (fused q|k|v, o) and shape; ``LayerProgram`` runs it."""
+
     def __init__(
         self, cfg: ArchConfig, backend: KernelBackend, make_linear: LinearFactory, prefix: str
     ) -> None:
@@ -104,33 +114,12 @@ class LlamaAttention(nn.Module):
             self.q_size, [(f"{prefix}o_proj.weight", None, cfg.hidden_size)], False
         )
         self.backend = backend
-
-    def forward(
-        self,
-        positions: torch.Tensor,  # [T]
-        hidden: torch.Tensor,  # [T, H]
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        rotary: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D]
-    ) -> torch.Tensor:  # [T, H]
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [T, q + 2kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.backend.apply_rotary(q, k, *rotary)
-        k_cache, v_cache = kv_cache
-        if k_cache.dtype != hidden.dtype:
-            # A 16-bit cache under float32 activations (--kv-cache-dtype): attention runs in
-            # the cache's dtype, and only its output returns to the activations' dtype.
-            q, k, v = (t.to(k_cache.dtype) for t in (q, k, v))
-        self.backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.backend.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size).to(hidden.dtype))
+        self.shape = AttentionShape(self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
 
 
 class LlamaMLP(nn.Module):
+    """The SwiGLU MLP's parameters (fused gate|up, down); ``LayerProgram`` runs it."""
+
     def __init__(
         self, cfg: ArchConfig, backend: KernelBackend, make_linear: LinearFactory, prefix: str
     ) -> None:
@@ -146,11 +135,10 @@ class LlamaMLP(nn.Module):
         )
         self.backend = backend
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
-
 
 class LlamaDecoderLayer(nn.Module):
+    """One decoder layer's modules; its forward pass is ``program()``'s."""
+
     def __init__(
         self, cfg: ArchConfig, backend: KernelBackend, make_linear: LinearFactory, index: int
     ) -> None:
@@ -161,19 +149,20 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.mlp = LlamaMLP(cfg, backend, make_linear, f"{prefix}mlp.")
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        rotary: tuple[torch.Tensor, torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta, rotary)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+    def program(self, dtype: torch.dtype) -> LayerProgram:
+        """This layer's forward pass, bound to its current weights, for activations of
+        ``dtype`` (``layer_program``: why the modules do not run it themselves)."""
+        attn, mlp = self.self_attn, self.mlp
+        return LayerProgram(
+            input_norm=self.input_layernorm.bind(),
+            qkv=attn.qkv_proj.bind(dtype),
+            o_proj=attn.o_proj.bind(dtype),
+            post_norm=self.post_attention_layernorm.bind(),
+            gate_up=mlp.gate_up_proj.bind(dtype),
+            down=mlp.down_proj.bind(dtype),
+            backend=attn.backend,
+            shape=attn.shape,
+        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -191,6 +180,7 @@ class LlamaForCausalLM(nn.Module):
         ``dtype``: the activations' dtype (what a quantized embedding dequantizes to)."""
         super().__init__()
         self.cfg = cfg
+        self._programs: list[LayerProgram] | None = None  # see _layer_programs
         quantized = quantized or {}
         make_linear = LinearFactory(backend, quantized)
         embed_format = quantized.get("model.embed_tokens.weight")
@@ -235,13 +225,26 @@ class LlamaForCausalLM(nn.Module):
         residual: torch.Tensor | None = None
         cos_sin_cache: torch.Tensor = self.cos_sin_cache  # type: ignore[assignment]
         rotary = reference.rotary_cos_sin(positions, cos_sin_cache, hidden.dtype)  # per step
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, rotary)
+        for program, kv_cache in zip(self._layer_programs(), kv_caches, strict=True):
+            hidden, residual = program(hidden, residual, kv_cache, meta, rotary)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
+    def _layer_programs(self) -> list[LayerProgram]:
+        # Bound on first use, once the weights are where they stay; dropped whenever tensors
+        # may be replaced (_apply: .to(), .to_empty(), ...; loading; tying).
+        if self._programs is None:
+            dtype = self.norm.weight.dtype  # the activations' dtype
+            self._programs = [layer.program(dtype) for layer in self.layers]  # type: ignore[operator]
+        return self._programs
+
+    def _apply(self, fn: Any, recurse: bool = True) -> LlamaForCausalLM:
+        self._programs = None
+        return super()._apply(fn, recurse)
+
     def tie_word_embeddings(self) -> None:
         """Make a tied model's LM head read the embedding table (again after materialising)."""
+        self._programs = None
         if not self.cfg.tie_word_embeddings:
             return
         if isinstance(self.lm_head, QuantLinear):
@@ -257,6 +260,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up as they arrive."""
+        self._programs = None
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:

@@ -16,7 +16,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from corefleet.kernels.backend import KernelBackend
+from corefleet.kernels.backend import KernelBackend, Linear
 from corefleet.kernels.gguf_quant import QuantFormat
 
 
@@ -101,6 +101,23 @@ class QuantLinear(nn.Module):
             part_bias = None if bias is None else bias.narrow(0, buf.row_start, buf.rows)
             outs.append(self.backend.quant_linear(x, blocks[buf.name], buf.fmt, part_bias))
         return torch.cat(outs, dim=-1)
+
+    def bind(self, dtype: torch.dtype) -> Linear:
+        """``forward`` as a closure over the current blocks, for activations of ``dtype``."""
+        blocks = cast(dict[str, torch.Tensor], self._buffers)
+        bias = self._parameters["bias"]
+        bound = [
+            self.backend.bind_quant_linear(
+                blocks[buf.name],
+                buf.fmt,
+                None if bias is None else bias.narrow(0, buf.row_start, buf.rows),
+                dtype,
+            )
+            for buf in self._layout
+        ]
+        if len(bound) == 1:
+            return bound[0]
+        return lambda x: torch.cat([part(x) for part in bound], dim=-1)
 
 
 class QuantEmbedding(nn.Module):

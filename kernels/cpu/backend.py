@@ -24,7 +24,7 @@ import dataclasses
 
 import torch
 
-from corefleet.kernels.backend import KernelBackend
+from corefleet.kernels.backend import KernelBackend, Linear, Norm
 from corefleet.kernels.cpu.loader import load_cpu_ops
 from corefleet.kernels.gguf_quant import QuantFormat
 from corefleet.kernels.metadata import AttentionMetadata
@@ -127,6 +127,58 @@ class CpuBackend(KernelBackend):
             return out
         weight = self._ops.gguf_dequantize(qweight, fmt.ggml_type, x.shape[1], x.dtype)
         return torch.nn.functional.linear(x, weight, bias)
+
+    def bind_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        """``linear``'s choice, with the weight's part of it made once."""
+        max_rows = _SMALL_LINEAR_MAX_ROWS.get(weight.dtype, 0)
+        if not (max_rows and weight.shape[1] % 16 == 0 and weight.is_contiguous()):
+            return super().bind_linear(weight, bias)
+        small_linear, fallback = self._ops.small_linear, super().linear
+
+        def linear(x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+            if x.shape[0] <= max_rows and x.dtype == weight.dtype and x.is_contiguous():
+                out: torch.Tensor = small_linear(x, weight, bias)
+                return out
+            return fallback(x, weight, bias)
+
+        return linear
+
+    def bind_quant_linear(
+        self, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> Linear:
+        """``quant_linear``'s choice, with the weight's and the dtype's part of it made once."""
+        if not (
+            _gguf_op_takes(qweight, fmt, dtype)
+            and qweight.is_contiguous()
+            and (bias is None or (bias.dtype == dtype and bias.is_contiguous()))
+        ):
+            return super().bind_quant_linear(qweight, fmt, bias, dtype)
+        gguf_linear, fallback = self._ops.gguf_linear, self.quant_linear
+        max_rows, ggml_type = GGUF_LINEAR_MAX_ROWS[dtype], fmt.ggml_type
+
+        def linear(x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+            if x.shape[0] <= max_rows and x.dtype == dtype and x.is_contiguous():
+                out: torch.Tensor = gguf_linear(x, qweight, ggml_type, bias)
+                return out
+            return fallback(x, qweight, fmt, bias)  # dequantize + GEMM, or the reference
+
+        return linear
+
+    def bind_rms_norm(self, weight: torch.Tensor, eps: float) -> Norm:
+        """``rms_norm`` on the C++ op, for a weight of a dtype it takes."""
+        if weight.dtype not in _FUSED_DTYPES:
+            return super().bind_rms_norm(weight, eps)
+        op, fallback = self._ops.rms_norm, super().rms_norm
+
+        def rms_norm(
+            x: torch.Tensor, residual: torch.Tensor | None
+        ) -> tuple[torch.Tensor, torch.Tensor]:  # normed, new residual: [T, H]
+            if x.dtype != weight.dtype:
+                return fallback(x, weight, eps, residual)
+            normed, new_residual = op(x.contiguous(), residual, weight, eps)
+            return normed, new_residual
+
+        return rms_norm
 
     def quant_embedding(
         self,
