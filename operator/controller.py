@@ -1,9 +1,11 @@
 """Glue between kopf's handlers and the pure parts: observe -> plan -> act -> status.
 
 `main.py`'s handlers (create, update, resume, the timer, pod events) all call
-`reconcile_engine` for one InferenceEngine. It reads the children from kopf's in-memory indexes
-(never a list call), asks `reconcile.plan` for actions, executes them with the operator's API
-client, posts Events, and writes `.status` through the status subresource when it changed.
+`reconcile_engine` for one InferenceEngine. It reads the children from kopf's in-memory indexes,
+asks `reconcile.plan` for actions, executes them with the operator's API client, posts Events,
+and writes `.status` through the status subresource when it changed. It lists only before it
+creates (`_already_there`: the indexes may lag, e.g. on a standby that just took over) and every
+`resync_seconds` (`_find_vanished`).
 Calls for the same engine are serialized and coalesced: a burst of pod events causes one
 reconcile that sees the latest state, not one per event.
 """
@@ -26,6 +28,7 @@ from corefleet.operator.curve import generate_keys
 from corefleet.operator.events import transition_events
 from corefleet.operator.kube import KubeClient, KubeError
 from corefleet.operator.naming import (
+    COMPONENT_LABEL,
     ENGINE_LABEL,
     Owner,
     coordinator_name,
@@ -39,6 +42,10 @@ from corefleet.operator.status import Context, compute_status, invalid_spec_stat
 Key = tuple[str, str]  # (namespace, engine name)
 RANK_EVENTS = {"RankCreated", "RankScaledDown", "RankReplaced", "RankFailedReplaced"}
 CONFLICT_RETRY = 1.0  # seconds before a reconcile that met a 409 Conflict runs again
+INDEX_RETRY = 1.0  # seconds before a reconcile whose indexes lag behind the API runs again
+# The labels kopf's child indexes select on (`main.MANAGED`, `main.RANKS`): a listed object that
+# has the created manifest's values for these is one the indexes will show once they catch up.
+INDEXED_LABELS = (ENGINE_LABEL, "app.kubernetes.io/managed-by", COMPONENT_LABEL)
 
 
 def _utcnow() -> datetime.datetime:
@@ -135,6 +142,11 @@ async def _execute(
             assert action.body is not None
             created = await client.create(action.body)
             recent.note_created(action.kind, action.name, created or action.body)
+            if created is None:
+                # 409 AlreadyExists: an object of that name is there (e.g. written between
+                # `_already_there`'s list and now). This process created nothing: no Event.
+                logger.info("%s %s already exists: not created", action.kind, action.name)
+                continue
         elif action.verb == "patch":
             assert action.body is not None
             await client.patch(action.kind, namespace, action.name, action.body)
@@ -169,6 +181,34 @@ async def _find_vanished(runtime: Runtime, key: Key, indexes: Indexes) -> None:
         found = await runtime.client.list_labelled(kind, key[0], f"{ENGINE_LABEL}={key[1]}")
         present.update(o["metadata"].get("uid") for o in found)
     runtime.vanished.update(str(uid) for uid in indexed.keys() - present if uid)
+
+
+async def _already_there(client: KubeClient, key: Key, actions: Iterable[Action]) -> list[str]:
+    """The objects `actions` would create that the API already has, as `Kind/name`.
+
+    The reconcile trusts kopf's indexes for what is missing, and they are complete only once each
+    watch has listed its resource. kopf holds every handler until the first lists are done, but
+    only once per process: a replica paused by peering (a standby) stops its watches, and when it
+    resumes (the leader is gone) they list again each on its own, with no such gate. The engine's
+    resume handler then runs against child indexes that have not seen the children the leader
+    made while this replica was paused, and would create ranks that exist (409) and post false
+    RankCreated Events. So a reconcile that is about to create lists those kinds first, by the
+    engine's label: a list without a resourceVersion is a consistent read on a real API server
+    (it sees every write acknowledged before it), so anything it shows is really there.
+    """
+    creates = [a for a in actions if a.verb == "create" and a.body is not None]
+    found: list[str] = []
+    for kind in sorted({a.kind for a in creates}):
+        listed = await client.list_labelled(kind, key[0], f"{ENGINE_LABEL}={key[1]}")
+        present = {o["metadata"].get("name"): o["metadata"].get("labels") or {} for o in listed}
+        for action in (a for a in creates if a.kind == kind and a.name in present):
+            assert action.body is not None
+            wanted = action.body["metadata"].get("labels") or {}
+            # Only objects the indexes select count: one without our labels never shows there
+            # (waiting for it would never end); its create gets a 409 and posts no Event.
+            if all(present[action.name].get(k) == wanted.get(k) for k in INDEXED_LABELS):
+                found.append(f"{kind}/{action.name}")
+    return found
 
 
 async def _joined(
@@ -296,6 +336,13 @@ async def _reconcile_locked(
     result = plan(
         owner, spec, observed, now, runtime.policy, generate_keys() if secret_missing else None
     )
+    behind = await _already_there(client, key, result.actions)
+    if behind:
+        # The indexes lag behind the API (see `_already_there`): act on nothing and write no
+        # status computed from them; run again once the watches have had a moment to list.
+        raise kopf.TemporaryError(
+            f"children indexes not filled yet ({', '.join(behind)} exist)", delay=INDEX_RETRY
+        )
     await _execute(runtime, key, result.actions, observed.pods, body, logger)
     coordinator_ready = indexes.coordinator_available(key)
     ctx = Context(

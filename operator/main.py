@@ -3,8 +3,9 @@
 Handlers only. Each one is a thin trigger for `controller.reconcile_engine`, which is
 level-based: create, update and resume reconcile at once; a timer re-checks every engine
 periodically; and pod events reconcile the pod's engine, found through an index of engines. The
-children are known from kopf indexes (`rank_pods`, `children_*`), kept current by watches, so a
-reconcile never lists anything. Handlers return None: nothing of kopf's lands in `.status`.
+children are known from kopf indexes (`rank_pods`, `children_*`), kept current by watches; a
+reconcile lists only to check them (see `controller`). Handlers return None: nothing of kopf's
+lands in `.status`.
 """
 
 from __future__ import annotations
