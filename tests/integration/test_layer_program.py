@@ -69,7 +69,8 @@ def test_the_bound_forward_is_the_method_by_method_forward(
     folder = write_tiny_model(tmp_path / "hf", hidden_size=256, intermediate_size=512, seed=5)
     quant = {kind: "Q4_1" for kind in ("attn_q", "attn_k", "attn_v", "attn_output")}
     quant |= {"ffn_gate": "Q8_0", "ffn_up": "Q8_0", "ffn_down": "Q4_0", "token_embd": "Q8_0"}
-    path = write_tiny_gguf(tmp_path / "m.gguf", folder, quant=quant) if weights == "gguf" else folder
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", folder, quant=quant)
+    path = gguf if weights == "gguf" else folder
     llm = LLM(
         str(path),
         multiprocess=False,
