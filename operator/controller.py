@@ -166,8 +166,9 @@ async def _find_vanished(runtime: Runtime, key: Key, indexes: Indexes) -> None:
     kopf drops an object from its indexes only on a DELETED watch event. An object deleted while
     a watch was down, when the watch then resumes past the server's history (410 Gone) and kopf
     lists again, stays indexed for good: a rank pod that does would never be recreated. So every
-    `resync_seconds` (not on an engine's first reconcile: the indexes are fresh then) the engine's
-    children are listed by label, and the indexed uids missing from the lists are ignored.
+    `resync_seconds` (counted from the engine's first reconcile) the engine's children are listed
+    by label, and the indexed uids missing from the lists are ignored. The same catches entries
+    a replica kept while peering paused it (it neither watches nor lists then), up to that delay.
     """
     now = time.monotonic()
     last = runtime.resynced.setdefault(key, now)
