@@ -49,7 +49,6 @@ class LayerProgram:
     with the residual carried alongside (``__call__``)."""
 
     __slots__ = (
-        "attention",
         "down",
         "gate_up",
         "input_norm",
