@@ -43,6 +43,9 @@ Key = tuple[str, str]  # (namespace, engine name)
 RANK_EVENTS = {"RankCreated", "RankScaledDown", "RankReplaced", "RankFailedReplaced"}
 CONFLICT_RETRY = 1.0  # seconds before a reconcile that met a 409 Conflict runs again
 INDEX_RETRY = 1.0  # seconds before a reconcile whose indexes lag behind the API runs again
+# Seconds before a reconcile that met 429 Too Many Requests (API Priority and Fairness sheds
+# load) or a 5xx (an API server restarting, an etcd timeout) runs again.
+TRANSIENT_RETRY = 5.0
 # The labels kopf's child indexes select on (`main.MANAGED`, `main.RANKS`): a listed object that
 # has the created manifest's values for these is one the indexes will show once they catch up.
 INDEXED_LABELS = (ENGINE_LABEL, "app.kubernetes.io/managed-by", COMPONENT_LABEL)
@@ -298,13 +301,21 @@ async def reconcile_engine(
         try:
             return await _reconcile_locked(body, key, runtime, indexes, logger)
         except KubeError as exc:
-            if exc.status != 409:
-                raise
-            # Someone else changed the object. Forget the status this process remembers, so the
-            # retry starts from the engine kopf last read, and retry soon: a plain exception
+            # Forget the status this process remembers, so the retry starts from the engine kopf
+            # last read (a 5xx write may have landed or not), and retry soon: a plain exception
             # would wait for kopf's default back-off (60 s), also in the timer.
-            runtime.last_status.pop(key, None)
-            raise kopf.TemporaryError(f"conflict, retrying: {exc}", delay=CONFLICT_RETRY) from exc
+            if exc.status == 409:  # someone else changed the object
+                runtime.last_status.pop(key, None)
+                raise kopf.TemporaryError(
+                    f"conflict, retrying: {exc}", delay=CONFLICT_RETRY
+                ) from exc
+            if exc.status == 429 or exc.status >= 500:  # the API, not the request, failed
+                runtime.last_status.pop(key, None)
+                raise kopf.TemporaryError(
+                    f"API unavailable, retrying in {TRANSIENT_RETRY:.0f} s: {exc}",
+                    delay=TRANSIENT_RETRY,
+                ) from exc
+            raise
 
 
 async def _reconcile_locked(

@@ -13,6 +13,7 @@ import collections
 from typing import Any
 
 import kmock
+import pytest
 from operator_harness import (
     Cluster,
     cluster,
@@ -143,13 +144,20 @@ CONFLICT = {
 
 def _conflict_once(c: Cluster, method: str, path_end: str) -> dict[str, int]:
     """The next `method` request to a URL ending in `path_end` is answered 409 Conflict."""
+    return _fail_once(c, method, path_end, 409, CONFLICT)
+
+
+def _fail_once(
+    c: Cluster, method: str, path_end: str, status: int, payload: dict[str, Any]
+) -> dict[str, int]:
+    """The next `method` request to a URL ending in `path_end` is answered `status`."""
     seen = {"conflicts": 0}
 
     def answer(_: kmock.Request) -> Any:
         if seen["conflicts"]:
             return NotImplemented  # kmock's "no match": the emulator serves it
         seen["conflicts"] = 1
-        return kmock.Response(status=409, payload=CONFLICT)
+        return kmock.Response(status=status, payload=payload)
 
     c.emu[lambda r: r.method.value.upper() == method and r.url.path.endswith(path_end)] << answer
     return seen
@@ -241,3 +249,42 @@ def test_conflict_seen_only_by_the_timer_is_retried_soon(tmp_path):
             )
 
     run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("code", "reason", "message"),
+    [
+        (429, "TooManyRequests", "Too many requests, please try again later."),
+        (503, "ServiceUnavailable", "the server is currently unable to handle the request"),
+    ],
+)
+def test_an_overloaded_or_failing_api_seen_only_by_the_timer_is_retried_soon(
+    tmp_path, code, reason, message
+):
+    """As with a 409 above, but the API itself failed (429 from API Priority and Fairness, a 503
+    while it restarts): the timer's status write is retried in seconds (TRANSIENT_RETRY), not
+    after kopf's default back-off (60 s)."""
+
+    async def scenario():
+        async with cluster(tmp_path / "kubeconfig") as c, running_operator():
+            await c.apply(engine_manifest(ranks=1))
+            await _ready_children(c, 1)
+            await c.all_ready()
+            await eventually(lambda: c.condition("Ready").get("status") == "True", what="Ready")
+            failure = {"apiVersion": "v1", "kind": "Status", "status": "Failure"}
+            failure |= {"code": code, "reason": reason, "message": message}
+            seen = _fail_once(c, "PATCH", "/inferenceengines/llama/status", code, failure)
+            await c.request(
+                "PATCH",
+                "/apis/apps/v1/namespaces/default/deployments/llama-coordinator/status",
+                {"status": {"replicas": 1, "availableReplicas": 0}},
+                {"Content-Type": "application/merge-patch+json"},
+            )
+            await eventually(lambda: seen["conflicts"], what=f"the {code}")
+            await eventually(
+                lambda: c.condition("Ready").get("reason") == "CoordinatorUnavailable",
+                timeout=30,
+                what="the status written after the failure",
+            )
+
+    run(scenario(), timeout=90)
