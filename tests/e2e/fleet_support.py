@@ -160,3 +160,13 @@ def admin_engines(base_url: str) -> list[dict[str, Any]]:
     """The coordinator's `/admin/engines` (base_url without /v1)."""
     with urllib.request.urlopen(f"{base_url}/admin/engines", timeout=5) as resp:
         return list(json.load(resp))
+
+
+def counter(base_url: str, name: str) -> float:
+    """A counter's value from the coordinator's `/metrics` (`name` without `_total`)."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    for line in text.splitlines():
+        if line.startswith(f"{name}_total "):
+            return float(line.split()[1])
+    raise AssertionError(f"no counter {name} in /metrics")
