@@ -117,9 +117,10 @@ def test_apply_example_gives_a_working_endpoint(cluster: LocalCluster) -> None:
 
 def test_scale_down_under_load_drains_with_zero_failures(cluster: LocalCluster) -> None:
     base = _coordinator_url(cluster)
-    # Six clients keep each rank busy without gaps: with three, the faster engine could finish
-    # rank 1's last request between the check below and the SIGTERM, and drain nothing.
-    load = StreamingLoad(f"{base}/v1", MODEL, clients=6)
+    # Six clients of long requests keep each rank busy without gaps: with short ones (48 tokens,
+    # a couple of seconds), rank 1 could finish its last request between the check below and
+    # the SIGTERM, and drain nothing (CI saw it with three clients, then with six).
+    load = StreamingLoad(f"{base}/v1", MODEL, clients=6, max_tokens=256, ignore_eos=True)
     with StatusRecorder(cluster, NAME) as status, load:
         load.wait_completed(3, 120)
         wait_for(lambda: _running(base).get(1, 0) > 0, 60, "requests running on rank 1")
