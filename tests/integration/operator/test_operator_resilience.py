@@ -142,6 +142,16 @@ CONFLICT = {
 }
 
 
+async def _coordinator_unavailable(c: Cluster) -> None:
+    """The coordinator Deployment loses its available replica: a change no pod event reports."""
+    await c.request(
+        "PATCH",
+        "/apis/apps/v1/namespaces/default/deployments/llama-coordinator/status",
+        {"status": {"replicas": 1, "availableReplicas": 0}},
+        {"Content-Type": "application/merge-patch+json"},
+    )
+
+
 def _conflict_once(c: Cluster, method: str, path_end: str) -> dict[str, int]:
     """The next `method` request to a URL ending in `path_end` is answered 409 Conflict."""
     return _fail_once(c, method, path_end, 409, CONFLICT)
@@ -236,12 +246,7 @@ def test_conflict_seen_only_by_the_timer_is_retried_soon(tmp_path):
             await c.all_ready()
             await eventually(lambda: c.condition("Ready").get("status") == "True", what="Ready")
             seen = _conflict_once(c, "PATCH", "/inferenceengines/llama/status")
-            await c.request(
-                "PATCH",
-                "/apis/apps/v1/namespaces/default/deployments/llama-coordinator/status",
-                {"status": {"replicas": 1, "availableReplicas": 0}},
-                {"Content-Type": "application/merge-patch+json"},
-            )
+            await _coordinator_unavailable(c)
             await eventually(lambda: seen["conflicts"], what="the 409")
             await eventually(
                 lambda: c.condition("Ready").get("reason") == "CoordinatorUnavailable",
@@ -274,12 +279,7 @@ def test_an_overloaded_or_failing_api_seen_only_by_the_timer_is_retried_soon(
             failure = {"apiVersion": "v1", "kind": "Status", "status": "Failure"}
             failure |= {"code": code, "reason": reason, "message": message}
             seen = _fail_once(c, "PATCH", "/inferenceengines/llama/status", code, failure)
-            await c.request(
-                "PATCH",
-                "/apis/apps/v1/namespaces/default/deployments/llama-coordinator/status",
-                {"status": {"replicas": 1, "availableReplicas": 0}},
-                {"Content-Type": "application/merge-patch+json"},
-            )
+            await _coordinator_unavailable(c)
             await eventually(lambda: seen["conflicts"], what=f"the {code}")
             await eventually(
                 lambda: c.condition("Ready").get("reason") == "CoordinatorUnavailable",
