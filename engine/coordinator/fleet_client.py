@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,7 +105,7 @@ class FleetClient:
 
     # ---- the caller's side ---------------------------------------------------------------------
 
-    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+    async def generate(self, request: EngineCoreRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         """Yield the request's outputs until it finishes; abort it if the caller stops early."""
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in flight")

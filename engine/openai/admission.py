@@ -63,7 +63,8 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(max_bytes)
     try:
-        return await asyncio.wait_for(_read_limited(request, max_bytes), timeout_s)
+        async with asyncio.timeout(timeout_s):  # no task per request, as wait_for makes
+            return await _read_limited(request, max_bytes)
     except asyncio.TimeoutError:
         raise RequestError(
             f"the request body did not arrive within {timeout_s:g} s (--body-timeout)",

@@ -13,12 +13,15 @@ the completions in flight (429); tokenizing then runs in a worker thread.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+import inspect
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from corefleet.engine.coordinator.fleet_client import FleetClient
 from corefleet.engine.frontend.input_processor import InputProcessor
@@ -44,6 +47,19 @@ from corefleet.engine.openai.responses import (
     completion_response,
 )
 from corefleet.engine.openai.serving import Generation
+
+# FastAPI's built-in OpenTelemetry (in the versions that have it) asks the global providers
+# on every request whether anyone listens, reading environment variables each time: a tenth of
+# a short request's CPU here. The coordinator configures no tracing, so it is off.
+_WITHOUT_TELEMETRY: dict[str, Any] = (
+    {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters
+    else {}
+)
+
+# Prompts up to this many characters are tokenized on the event loop: ~0.1 ms at most, less
+# than a hand-off to a worker thread and back.
+INLINE_TOKENIZE_CHARS = 2048
 
 
 @dataclass
@@ -92,21 +108,53 @@ def _error(err: RequestError) -> JSONResponse:
     return JSONResponse(err.to_response().model_dump(), status_code=err.status, headers=headers)
 
 
+class _ApiKeyGate:
+    """401 on ``/v1`` and ``/admin`` without a valid key; the key's id goes to
+    ``request.state.key_id`` (None without keys). Plain ASGI on purpose: Starlette's
+    ``BaseHTTPMiddleware`` runs every response through an extra task and a memory stream,
+    which cost more than any other step of a streamed token."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        key_id = None
+        path: str = scope["path"]
+        if self.keys and (path.startswith("/v1") or path.startswith("/admin")):
+            key_id = self.keys.identify(Headers(scope=scope).get("authorization"))
+            if key_id is None:
+                await _error(unauthorized())(scope, receive, send)
+                return
+        scope.setdefault("state", {})["key_id"] = key_id
+        await self.app(scope, receive, send)
+
+
 def build_app(state: ServerState) -> FastAPI:
     """The FastAPI application over ``state.fleet``."""
-    app = FastAPI(title="corefleet", docs_url=None, redoc_url=None)
+    app = FastAPI(title="corefleet", docs_url=None, redoc_url=None, **_WITHOUT_TELEMETRY)
 
-    @app.middleware("http")
-    async def require_api_key(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        path = request.url.path
-        request.state.key_id = None
-        if state.api_keys and (path.startswith("/v1") or path.startswith("/admin")):
-            request.state.key_id = state.api_keys.identify(request.headers.get("authorization"))
-            if request.state.key_id is None:
-                return _error(unauthorized())
-        return await call_next(request)
+    app.add_middleware(_ApiKeyGate, keys=state.api_keys)
+
+    # The generation routes come first: a request is matched against the routes in order.
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        try:
+            body = parse_request(p.CompletionRequest, await _body(state, request))
+        except RequestError as err:
+            return _error(err)
+        return await _generate(state, request, body, body.prompt_inputs())
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        try:
+            body = parse_request(p.ChatCompletionRequest, await _body(state, request))
+        except RequestError as err:
+            return _error(err)
+        return await _generate(state, request, body, [_ChatPrompt(body.template_messages())])
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -132,22 +180,6 @@ def build_app(state: ServerState) -> FastAPI:
         max_len = ranks[0].info.max_model_len if ranks and ranks[0].info else None
         card = p.ModelCard(id=state.model_name, max_model_len=max_len)
         return p.ModelList(data=[card]).model_dump()
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        try:
-            body = parse_request(p.CompletionRequest, await _body(state, request))
-        except RequestError as err:
-            return _error(err)
-        return await _generate(state, request, body, body.prompt_inputs())
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        try:
-            body = parse_request(p.ChatCompletionRequest, await _body(state, request))
-        except RequestError as err:
-            return _error(err)
-        return await _generate(state, request, body, [_ChatPrompt(body.template_messages())])
 
     app.openapi = lambda: served_openapi(  # type: ignore[method-assign]
         state.model_name,
@@ -246,8 +278,9 @@ async def _start(
     body: p.CompletionRequest | p.ChatCompletionRequest,
     prompts: list[Any],
 ) -> Generation:
-    """Tokenize and validate in a worker thread (a long prompt takes a while to tokenize and
-    must not stall every other request), then start the generation."""
+    """Tokenize and validate, then start the generation. Long prompts go to a worker thread
+    (tokenizing them takes a while and must not stall every other request); short ones are
+    tokenized at once, since handing them to a thread costs more than tokenizing them."""
     info = state.engine_info()
     params = p.to_sampling_params(body, info.vocab_size)
     inputs = InputProcessor(state.tokenizer, info.max_model_len, info.vocab_size)
@@ -258,12 +291,27 @@ async def _start(
         return Generation(state.fleet, state.tokenizer, inputs, rendered, params, request_id)
 
     try:
+        if _text_chars(prompts) <= INLINE_TOKENIZE_CHARS:
+            return build()
         return await asyncio.to_thread(build)
     except ValueError as exc:  # a prompt too long, or a template refusing the conversation
         # A refusal no JSON Schema can foresee (too many tokens, a template's rule) carries
         # the code the OpenAPI document lists for it.
         code = getattr(exc, "code", None)
         raise RequestError(str(exc), param=_blamed_field(body, str(exc)), code=code) from None
+
+
+def _text_chars(prompts: list[Any]) -> int:
+    """The characters of text a request's prompts hold (token id lists hold none)."""
+    total = 0
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            total += len(prompt)
+        elif isinstance(prompt, _ChatPrompt):
+            total += sum(len(str(m.get("content") or "")) for m in prompt.messages)
+        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            total += len(prompt["prompt"])
+    return total
 
 
 def _blamed_field(body: p.CompletionRequest | p.ChatCompletionRequest, message: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from corefleet.engine.coordinator.fleet_client import FleetClient
@@ -85,6 +85,35 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Every change of every choice until all are finished; aborts the rest if stopped."""
+        outputs = self._outputs()
+        sent = {engine_id: _Sent() for engine_id in self._choice}
+        unfinished = len(sent)
+        try:
+            async for output in outputs:
+                if output.request_id not in sent or sent[output.request_id].finished:
+                    continue
+                changed, to_abort = self.processor.process_outputs([output])
+                for engine_id in to_abort:  # a stop string: the engine does not know them
+                    await self.fleet.abort(engine_id)
+                state = sent[output.request_id]
+                delta = self._delta(output.request_id, changed, state)
+                unfinished -= state.finished
+                # Tokens that are not text yet (part of a UTF-8 character) make no chunk.
+                if delta is not None and (delta.text or delta.finish_reason is not None):
+                    yield delta
+                if not unfinished:
+                    break
+        finally:  # a caller that stops early aborts what is still running
+            await outputs.aclose()
+
+    def _outputs(self) -> AsyncGenerator[EngineCoreOutput, None]:
+        """The engine requests' outputs as they come. One request (the usual case) is read
+        directly; several are merged through a queue, one reading task each."""
+        if len(self.engine_requests) == 1:
+            return self.fleet.generate(self.engine_requests[0])
+        return self._merged()
+
+    async def _merged(self) -> AsyncGenerator[EngineCoreOutput, None]:
         queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
 
         async def pump(request: EngineCoreRequest) -> None:
@@ -92,21 +121,11 @@ class Generation:
                 queue.put_nowait(output)
 
         pumps = [asyncio.create_task(pump(r)) for r in self.engine_requests]
-        sent = {engine_id: _Sent() for engine_id in self._choice}
         try:
-            while not all(s.finished for s in sent.values()):
-                output = await queue.get()
-                if output.request_id not in sent or sent[output.request_id].finished:
-                    continue
-                changed, to_abort = self.processor.process_outputs([output])
-                for engine_id in to_abort:  # a stop string: the engine does not know them
-                    await self.fleet.abort(engine_id)
-                delta = self._delta(output.request_id, changed, sent[output.request_id])
-                # Tokens that are not text yet (part of a UTF-8 character) make no chunk.
-                if delta is not None and (delta.text or delta.finish_reason is not None):
-                    yield delta
+            while True:
+                yield await queue.get()
         finally:
-            for task in pumps:  # a caller that stops early aborts what is still running
+            for task in pumps:
                 task.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
 

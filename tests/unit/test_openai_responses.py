@@ -32,6 +32,7 @@ from corefleet.engine.openai.protocol import (
     openai_finish_reason,
 )
 from corefleet.engine.openai.protocol import ChatCompletionChunk as ChatCompletionChunkModel
+from corefleet.engine.openai.responses import _ChunkEvents
 from tests.unit.openai_helpers import CHAT, refused
 
 try:  # the openai client moved from httpx to httpx2; mock the transport of whichever it uses
@@ -267,3 +268,35 @@ def test_real_client_accepts_abort_and_lists_models() -> None:
     )
     (model,) = client.models.list()
     assert (model.id, model.owned_by) == ("qwen", "corefleet")
+
+
+TRICKY_TEXTS = [
+    "",
+    "plain",
+    'quote " and \\ backslash',
+    "line\nbreak\ttab",
+    "é ü 你好 🙂",
+    "\x00\x1f",
+]
+
+
+@pytest.mark.parametrize("text", TRICKY_TEXTS)
+@pytest.mark.parametrize("finish", [None, FinishReason.LENGTH])
+def test_a_streamed_chunk_is_the_json_of_its_model(text: str, finish: FinishReason | None) -> None:
+    """Stream chunks are encoded once per stream for their shared fields and once per choice;
+    the bytes must be exactly what dumping the chunk's model (nulls left out) gives."""
+    reason = openai_finish_reason(finish)
+    completion = CompletionStreamResponse(model="m\u00e9", choices=[])
+    events = _ChunkEvents(completion)
+    choice = CompletionChoice(index=3, text=text, finish_reason=reason)
+    expected = sse_event(completion.model_copy(update={"choices": [choice]}))
+    assert events.choice({"index": 3, "text": text, "finish_reason": reason}) == expected
+
+    chat = ChatCompletionChunkModel(model="m", choices=[])
+    events = _ChunkEvents(chat)
+    delta = {"role": "assistant", "content": text}
+    model_choice = ChatChunkChoice(index=0, delta=DeltaMessage(**delta), finish_reason=reason)
+    expected = sse_event(chat.model_copy(update={"choices": [model_choice]}))
+    assert events.choice({"index": 0, "delta": delta, "finish_reason": reason}) == expected
+    parsed = ChatCompletionChunk.model_validate_json(expected.removeprefix("data: "))
+    assert parsed.choices[0].delta.content == text

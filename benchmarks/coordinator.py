@@ -1,0 +1,215 @@
+"""The coordinator's own speed: requests/s and SSE tokens/s against its HTTP stack's bound.
+
+Every request of a fleet passes through a coordinator process, so its cost per request and per
+streamed token bounds the whole fleet. The ranks here do no model work (the null executor:
+scheduler, KV manager, busy loop and sockets as they are, a fixed token per step), so what is
+measured is the coordinator: HTTP parse, validation, tokenization, routing, ZMQ, outputs,
+detokenization, the response or its SSE chunks.
+
+Per run, alternating, each on its own free port:
+
+- **trivial endpoint**: a FastAPI app on the coordinator's uvicorn configuration (same HTTP
+  protocol class, same limits) that parses the JSON body and returns a fixed completion. It is
+  the most this HTTP stack allows, and the issue's yardstick;
+- **coordinator, short completions**: ``corefleet serve --data-parallel-size 2`` with the null
+  executor, ``max_tokens: 4``, not streamed (the trivial endpoint's load, same connections);
+- **coordinator, SSE**: streamed completions of ``--sse-tokens`` tokens; the figure is data
+  events (one token each) per second across all streams.
+
+The load is ``benchmarks/http_load.py`` (raw keep-alive sockets, ``--load-processes`` worker
+processes), the same for every server. The coordinator's CPU (its process alone, ranks apart) is
+read from ``/proc`` around each load, as cores and as CPU time per request / per token.
+
+    python benchmarks/coordinator.py --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from http_load import LoadResult, run_load
+
+NULL_EXECUTOR = "corefleet.engine.worker.null_executor:NullExecutor"
+MODEL_NAME = "bench"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve_trivial(port: int) -> None:
+    """The trivial endpoint (run in its own process: ``--trivial-server PORT``)."""
+    from corefleet.engine.entrypoints.http_server import uvicorn_config
+    from corefleet.engine.openai.limits import RequestLimits
+
+    app = FastAPI()
+    fixed = {
+        "id": "cmpl-0",
+        "object": "text_completion",
+        "created": 0,
+        "model": MODEL_NAME,
+        "choices": [{"index": 0, "text": " a b c d", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6},
+    }
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> dict[str, Any]:
+        body = json.loads(await request.body())
+        return {**fixed, "model": body.get("model", MODEL_NAME)}
+
+    @app.get("/ready")
+    async def ready() -> dict[str, bool]:
+        return {"ready": True}
+
+    import uvicorn
+
+    uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, RequestLimits(), 5.0)).run()
+
+
+def start(argv: list[str], port: int, timeout: float = 180.0) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{argv[:4]} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2):
+                return proc
+        except OSError:
+            time.sleep(0.25)
+    stop(proc)
+    raise TimeoutError(f"{argv[:4]}: /ready not 200 after {timeout:.0f} s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measured(pid: int, load: Any) -> tuple[LoadResult, float]:
+    """Run ``load()`` and return its result and the CPU seconds ``pid`` used meanwhile."""
+    before = cpu_seconds(pid)
+    result = load()
+    return result, cpu_seconds(pid) - before
+
+
+def one_run(args: argparse.Namespace) -> dict[str, float]:
+    row: dict[str, float] = {}
+    short = {"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": 4}
+    port = free_port()
+    trivial = start(
+        [sys.executable, os.path.abspath(__file__), "--trivial-server", str(port)], port
+    )
+    try:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        result, cpu = measured(
+            trivial.pid,
+            lambda: run_load(url, short, args.connections, args.duration, args.load_processes),
+        )
+        row["trivial req/s"] = result.requests_per_s
+        row["trivial cores"] = cpu / args.duration
+        row["trivial failed"] = result.failed
+    finally:
+        stop(trivial)
+
+    port = free_port()
+    argv = [sys.executable, "-m", "corefleet.engine.cli", "serve", "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "--served-model-name", MODEL_NAME]
+    argv += ["--data-parallel-size", str(args.ranks), "--distributed-executor-backend"]
+    argv += [NULL_EXECUTOR, *args.corefleet_args.split()]
+    server = start(argv, port)
+    try:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        result, cpu = measured(
+            server.pid,
+            lambda: run_load(url, short, args.connections, args.duration, args.load_processes),
+        )
+        row["coordinator req/s"] = result.requests_per_s
+        row["coordinator p50 ms"] = result.p50_ms
+        row["coordinator cores"] = cpu / args.duration
+        row["coordinator CPU ms/request"] = (
+            cpu * 1000 / max(1, result.requests_per_s * args.duration)
+        )
+        row["coordinator failed"] = result.failed
+        row["ratio"] = row["coordinator req/s"] / row["trivial req/s"]
+        # skip_special_tokens false: the null executor's token is a special one, and each
+        # must show as text to make its own chunk.
+        sse = {**short, "max_tokens": args.sse_tokens, "stream": True}
+        sse |= {"ignore_eos": True, "skip_special_tokens": False}
+        result, cpu = measured(
+            server.pid,
+            lambda: run_load(url, sse, args.sse_streams, args.duration, args.load_processes),
+        )
+        row["SSE tokens/s"] = result.events_per_s
+        row["SSE coordinator cores"] = cpu / args.duration
+        row["SSE coordinator CPU us/token"] = (
+            cpu * 1e6 / max(1, result.events_per_s * args.duration)
+        )
+        row["SSE failed"] = result.failed
+    finally:
+        stop(server)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--connections", type=int, default=64, help="for short completions")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per load")
+    parser.add_argument("--load-processes", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=2, help="null-executor ranks (DP)")
+    parser.add_argument("--sse-streams", type=int, default=32)
+    parser.add_argument("--sse-tokens", type=int, default=256)
+    parser.add_argument("--corefleet-args", default="", help="extra `corefleet serve` flags")
+    parser.add_argument("--json", help="write every run's figures here")
+    parser.add_argument("--trivial-server", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trivial_server:
+        serve_trivial(args.trivial_server)
+        return
+    rows = []
+    for i in range(args.runs):
+        rows.append(one_run(args))
+        print(f"run {i + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in rows[-1].items()), flush=True)
+    print(f"\nmedian of {len(rows)} run(s) (runs in brackets)\n\n| | value |\n|---|---|")
+    for key in rows[0]:
+        values = [r[key] for r in rows]
+        runs = " / ".join(f"{v:.2f}" for v in values)
+        print(f"| {key} | {statistics.median(values):.2f} ({runs}) |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
