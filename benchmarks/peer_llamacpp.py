@@ -30,6 +30,10 @@ threads wait by spinning and slow down many times over next to a busy neighbour)
 
     python benchmarks/peer_llamacpp.py --runs 3 --quiet-wait 300
     python benchmarks/peer_llamacpp.py --quick
+    python benchmarks/peer_llamacpp.py --runs 0 --interleaved-pairs 20   # single stream only
+
+``--interleaved-pairs N`` then runs both servers at once and sends single-stream requests to
+each in turn (``peer_single.py``): the figure least moved by the machine's drift.
     python benchmarks/peer_llamacpp.py --corefleet-args "--quantization none"
 """
 
@@ -56,6 +60,7 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(__file__))
 import peer_servers as ps
+from peer_single import interleaved_single
 
 import corefleet.engine
 from corefleet.engine.models.default_model import default_model_path
@@ -312,6 +317,13 @@ def parse_args() -> argparse.Namespace:
         default=0.0,
         help="before each start, wait up to this many seconds for an idle machine (default 0)",
     )
+    p.add_argument(
+        "--interleaved-pairs",
+        type=int,
+        default=0,
+        help="then both servers at once, this many alternating single-stream pairs "
+        "(peer_single.py; default 0: none)",
+    )
     p.add_argument("--json", type=Path, help="also write every figure here")
     args = p.parse_args()
     if args.quick:
@@ -368,7 +380,19 @@ def main() -> int:
                 flush=True,
             )
         runs.append(figures)
-    print("\n" + report(runs, args))
+    if runs:
+        print("\n" + report(runs, args))
+    if args.interleaved_pairs:
+        prompts = Prompts(vocab, args.input_len, args.seed + args.runs)
+        table = interleaved_single(
+            servers,
+            args.interleaved_pairs,
+            args.single_tokens,
+            prompts.next,
+            load,
+            args.ready_timeout,
+        )
+        print("\n" + table)
     busy = [
         f"run {i + 1} {name} {f['other_cores']:.2f}"
         for i, r in enumerate(runs)

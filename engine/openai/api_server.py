@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
+from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from corefleet.engine.coordinator.fleet_client import FleetClient
@@ -139,8 +140,6 @@ def build_app(state: ServerState) -> FastAPI:
 
     app.add_middleware(_ApiKeyGate, keys=state.api_keys)
 
-    # The generation routes come first: a request is matched against the routes in order.
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         try:
             body = parse_request(p.CompletionRequest, await _body(state, request))
@@ -148,13 +147,21 @@ def build_app(state: ServerState) -> FastAPI:
             return _error(err)
         return await _generate(state, request, body, body.prompt_inputs())
 
-    @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         try:
             body = parse_request(p.ChatCompletionRequest, await _body(state, request))
         except RequestError as err:
             return _error(err)
         return await _generate(state, request, body, [_ChatPrompt(body.template_messages())])
+
+    # The generation routes are plain Starlette routes, first in the table: routes are matched
+    # in order, and FastAPI's handler (dependency solving, an exit stack per request) does
+    # nothing for handlers that read and validate the body themselves. Their OpenAPI
+    # description is written by hand anyway (``openapi.py``).
+    app.router.routes[:0] = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+    ]
 
     @app.get("/health")
     async def health() -> dict[str, str]:
