@@ -150,6 +150,33 @@ class KernelBackend:
         """Store each new token's K and V at its cache slot (before attention reads them)."""
         reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
 
+    def rotary_to_cache(
+        self,
+        qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D], the fused projection (rotated in place)
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        slot_mapping: torch.Tensor,  # [T] int64
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k, v [T, Hkv, D]
+        """Attention's first half: split the fused projection into heads, rotate query and key
+        (``apply_rotary``), bring all three to the cache's dtype (a 16-bit cache under float32
+        activations: attention then runs in the cache's dtype) and store key and value at their
+        slots (``write_kv_cache``). A backend may fuse it into one kernel."""
+        num_tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)  # views
+        q = q.view(num_tokens, num_heads, head_dim)
+        k = k.view(num_tokens, num_kv_heads, head_dim)
+        v = v.view(num_tokens, num_kv_heads, head_dim)
+        q, k = self.apply_rotary(q, k, cos, sin)
+        if k_cache.dtype != qkv.dtype:
+            q, k, v = q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)
+        self.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        return q, k, v
+
     def paged_attention(
         self,
         query: torch.Tensor,  # [T, Hq, D]

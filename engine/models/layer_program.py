@@ -56,11 +56,9 @@ class LayerProgram:
         "paged_attention",
         "post_norm",
         "qkv",
-        "rotary",
+        "rotary_to_cache",
         "shape",
         "silu_and_mul",
-        "split",
-        "write_kv_cache",
     )
 
     def __init__(
@@ -78,10 +76,8 @@ class LayerProgram:
         self.input_norm, self.qkv, self.o_proj = input_norm, qkv, o_proj
         self.post_norm, self.gate_up, self.down = post_norm, gate_up, down
         self.shape = shape
-        self.split = [shape.q_size, shape.kv_size, shape.kv_size]
         # Bound once: a method looked up on the backend is a new bound object every call.
-        self.rotary = backend.apply_rotary
-        self.write_kv_cache = backend.write_kv_cache
+        self.rotary_to_cache = backend.rotary_to_cache
         self.paged_attention = backend.paged_attention
         self.silu_and_mul = backend.silu_and_mul
 
@@ -102,16 +98,17 @@ class LayerProgram:
         self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, rotary: Rotary
     ) -> torch.Tensor:  # [T, H] -> [T, H]
         num_tokens, shape = x.shape[0], self.shape
-        q, k, v = self.qkv(x).split(self.split, dim=-1)  # views into [T, q + 2kv]
-        q = q.view(num_tokens, shape.num_heads, shape.head_dim)
-        k = k.view(num_tokens, shape.num_kv_heads, shape.head_dim)
-        v = v.view(num_tokens, shape.num_kv_heads, shape.head_dim)
-        q, k = self.rotary(q, k, *rotary)
         k_cache, v_cache = kv_cache
-        if k_cache.dtype != x.dtype:
-            # A 16-bit cache under float32 activations (--kv-cache-dtype): attention runs in
-            # the cache's dtype, and only its output returns to the activations' dtype.
-            q, k, v = q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)
-        self.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        # Heads, rotated, in the cache's dtype (a 16-bit cache under float32 activations:
+        # attention runs in it, and only its output returns to the activations' dtype).
+        q, k, v = self.rotary_to_cache(
+            self.qkv(x),  # [T, q + 2kv]
+            *rotary,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+            shape.num_heads,
+            shape.num_kv_heads,
+        )
         out = self.paged_attention(q, k, v, k_cache, v_cache, meta, shape.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, shape.q_size).to(x.dtype))

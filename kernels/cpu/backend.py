@@ -251,6 +251,35 @@ class CpuBackend(KernelBackend):
             return
         self._ops.write_kv_cache_(key, value, k_cache, v_cache, slot_mapping)
 
+    def rotary_to_cache(
+        self,
+        qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        slot_mapping: torch.Tensor,  # [T] int64
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k, v [T, Hkv, D]
+        """One C++ call for the split, the rotation, the casts and the cache write (about ten
+        torch ops a layer, ~1/15 of a single-stream decode step), with the same values."""
+        if (
+            qkv.dtype not in _FUSED_DTYPES
+            or k_cache.dtype not in _FUSED_DTYPES
+            or cos.dtype != qkv.dtype
+            or qkv.dim() != 2
+            or qkv.stride(1) != 1
+            or not (cos.is_contiguous() and sin.is_contiguous())
+        ):
+            return super().rotary_to_cache(
+                qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
+            )
+        q, k, v = self._ops.rotary_to_cache(
+            qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads
+        )
+        return q, k, v
+
     def paged_attention(
         self,
         query: torch.Tensor,  # [T, Hq, D]

@@ -1,5 +1,5 @@
 // Element-wise layer ops fused into one pass each on the CPU: residual add + RMSNorm, rotary
-// embedding (in place), and SiLU-and-mul. As separate torch ops they made ~10 passes over
+// embedding (in place, or with the cast and cache write of rotary_to_cache), and SiLU-and-mul. As separate torch ops they made ~10 passes over
 // every layer's activations per step, a visible share of a prefill-heavy run (docs/kernels.md).
 //
 // Numerics follow kernels/reference.py, computed in float32 with one rounding to the tensor's
@@ -17,6 +17,7 @@
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
+#include "kv_write.h"
 #include "parallel.h"
 #include "scalar.h"
 #include "vec_avx512.h"
@@ -180,6 +181,65 @@ void rotary_(at::Tensor query, at::Tensor key, const at::Tensor& cos, const at::
   }
 }
 
+// Rows of `n` values from src (rows `src_stride` apart) into contiguous dst, rounded once.
+template <typename S, typename D>
+void convert_rows(const S* src, int64_t src_stride, D* dst, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < n; ++i) {
+      dst[r * n + i] = narrow<D>(widen(src[r * src_stride + i]));
+    }
+  }
+}
+
+// A [T, H, D] view of the fused projection's columns [first, first + H * D), in `dtype`
+// (contiguous; a copy unless the dtype is the projection's own, then the view itself).
+at::Tensor heads_as(const at::Tensor& qkv, int64_t first, int64_t heads, int64_t head_dim,
+                    at::ScalarType dtype) {
+  const int64_t tokens = qkv.size(0);
+  at::Tensor view = qkv.narrow(1, first, heads * head_dim).view({tokens, heads, head_dim});
+  if (dtype == qkv.scalar_type()) {
+    return view;
+  }
+  at::Tensor out = at::empty({tokens, heads, head_dim}, qkv.options().dtype(dtype));
+  const int64_t n = heads * head_dim;
+  if (qkv.scalar_type() == at::kFloat) {
+    convert_rows(view.data_ptr<float>(), qkv.stride(0), out.data_ptr<c10::BFloat16>(), tokens, n);
+  } else {
+    convert_rows(view.data_ptr<c10::BFloat16>(), qkv.stride(0), out.data_ptr<float>(), tokens, n);
+  }
+  return out;
+}
+
+// The part of attention before attention proper, in one call instead of about ten torch ops a
+// layer (split, views, rotary, three casts, the cache write): rotate the query and key columns
+// of the fused projection in place (rotary_'s own code, so the values are the unfused path's),
+// bring query, key and value to the cache's dtype, store key and value at their slots.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_to_cache(
+    at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+    at::Tensor v_cache, const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+  check_kv_caches(k_cache, v_cache);
+  const int64_t head_dim = k_cache.size(3);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 &&
+                  qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim &&
+                  num_kv_heads == k_cache.size(2) && num_heads > 0,
+              "rotary_to_cache: qkv must be [T, (Hq + 2 Hkv) * D] with rows of contiguous "
+              "columns, got ", qkv.sizes(), " for ", num_heads, " + 2 x ", num_kv_heads,
+              " heads and a cache of ", k_cache.sizes());
+  const at::ScalarType cache_dtype = k_cache.scalar_type();
+  TORCH_CHECK(cache_dtype == at::kFloat || cache_dtype == at::kBFloat16,
+              "rotary_to_cache: caches of float32 or bfloat16, got ", cache_dtype);
+  at::Tensor query = qkv.narrow(1, 0, num_heads * head_dim).view({qkv.size(0), num_heads, head_dim});
+  at::Tensor key = qkv.narrow(1, num_heads * head_dim, num_kv_heads * head_dim)
+                       .view({qkv.size(0), num_kv_heads, head_dim});
+  rotary_(query, key, cos, sin);
+  at::Tensor q = heads_as(qkv, 0, num_heads, head_dim, cache_dtype);
+  at::Tensor k = heads_as(qkv, num_heads * head_dim, num_kv_heads, head_dim, cache_dtype);
+  at::Tensor v = heads_as(qkv, (num_heads + num_kv_heads) * head_dim, num_kv_heads, head_dim,
+                          cache_dtype);
+  write_kv_slots(k, v, k_cache, v_cache, slot_mapping);
+  return {q, k, v};
+}
+
 template <typename T>
 void silu_and_mul_kernel(const at::Tensor& x, at::Tensor& out) {
   const int64_t rows = x.size(0);
@@ -235,4 +295,8 @@ TORCH_LIBRARY_FRAGMENT(corefleet_cpu, m) {
   m.def("rotary_(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()",
         &corefleet::rotary_);
   m.def("silu_and_mul(Tensor x) -> Tensor", &corefleet::silu_and_mul);
+  m.def("rotary_to_cache(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
+        "Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) "
+        "-> (Tensor, Tensor, Tensor)",
+        &corefleet::rotary_to_cache);
 }
