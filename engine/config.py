@@ -24,7 +24,7 @@ from typing import Literal, get_args, get_origin
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "gguf", "none"]
-KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16"]
+KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16", "fp8"]
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash-attn"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 
@@ -129,7 +129,8 @@ class CacheConfig:
         default="auto",
         metadata=engine_arg(
             "dtype of the KV cache (auto: the model's dtype on GPU; on CPU bfloat16 where the "
-            "CPU computes in it natively (AVX512-BF16), else the model's dtype)",
+            "CPU computes in it natively (AVX512-BF16), else the model's dtype; fp8: "
+            "float8 e4m3, a byte per value, on GPU with the triton attention backend)",
             flag="--kv-cache-dtype",
         ),
     )

@@ -32,6 +32,19 @@ from corefleet.kernels.metadata import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 Linear = Callable[[torch.Tensor], torch.Tensor]  # x [T, K] -> [T, N]
+# KV caches stored in float8 (``--kv-cache-dtype fp8``), read by attention in the query's dtype.
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+_FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: e4m3fn has no infinity
+
+
+def to_cache_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in the cache's dtype; into float8, saturated at its largest value (a plain cast
+    would turn an outlier into NaN), with no scale (vLLM's default of 1.0)."""
+    if dtype in FP8_KV_DTYPES:
+        return t.clamp(-_FP8_MAX, _FP8_MAX).to(dtype)
+    return t.to(dtype)
+
+
 Norm = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -163,7 +176,8 @@ class KernelBackend:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k, v [T, Hkv, D]
         """Attention's first half: split the fused projection into heads, rotate query and key
         (``apply_rotary``), bring all three to the cache's dtype (a 16-bit cache under float32
-        activations: attention then runs in the cache's dtype) and store key and value at their
+        activations: attention then runs in the cache's dtype; a float8 cache takes key and
+        value only, the query keeps the activations' dtype) and store key and value at their
         slots (``write_kv_cache``). A backend may fuse it into one kernel."""
         num_tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -173,7 +187,9 @@ class KernelBackend:
         v = v.view(num_tokens, num_kv_heads, head_dim)
         q, k = self.apply_rotary(q, k, cos, sin)
         if k_cache.dtype != qkv.dtype:
-            q, k, v = q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)
+            k, v = to_cache_dtype(k, k_cache.dtype), to_cache_dtype(v, k_cache.dtype)
+            # Attention runs in a 16-bit cache's dtype; a float8 cache is only storage.
+            q = q if k_cache.dtype in FP8_KV_DTYPES else q.to(k_cache.dtype)
         self.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
         return q, k, v
 

@@ -181,7 +181,11 @@ def _engine(raw: Mapping[str, Any], model: ModelSpec) -> EngineOptions:
         enable_prefix_caching=_bool(raw, "enablePrefixCaching", "spec.engine", True),
         enable_chunked_prefill=_bool(raw, "enableChunkedPrefill", "spec.engine", True),
         kv_cache_dtype=_choice(
-            raw, "kvCacheDtype", "spec.engine", "auto", {"auto", "float32", "float16", "bfloat16"}
+            raw,
+            "kvCacheDtype",
+            "spec.engine",
+            "auto",
+            {"auto", "float32", "float16", "bfloat16", "fp8"},
         ),
     )
     if not 0 < opts.gpu_memory_utilization <= 1:

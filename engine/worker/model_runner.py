@@ -351,7 +351,16 @@ def _cos_sin(arch: ArchConfig, max_positions: int, device: torch.device) -> torc
 def resolve_kv_cache_dtype(requested: str, dtype: torch.dtype, backend: str) -> torch.dtype:
     """``--kv-cache-dtype``. ``auto``: bfloat16 for the C++ CPU kernels on a CPU with
     AVX512-BF16 (half the bytes of float32 for every token's K and V, and attention reads
-    them with native bf16 dot products), the model's dtype everywhere else."""
+    them with native bf16 dot products), the model's dtype everywhere else. ``fp8`` (float8
+    e4m3, unscaled, as vLLM's default scale of 1.0): the Triton backend only."""
+    if requested == "fp8":
+        if backend != "triton":
+            raise ValueError(
+                f"--kv-cache-dtype fp8 needs the triton attention backend (a GPU, "
+                f"--attention-backend triton or auto on CUDA); the {backend} backend has no "
+                "float8 kernels"
+            )
+        return torch.float8_e4m3fn
     if requested != "auto":
         return TORCH_DTYPES[requested]
     if backend == "cpu" and dtype == torch.float32 and "avx512_bf16" in cpu_flags()[0]:

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from corefleet.kernels.backend import FP8_KV_DTYPES
 from corefleet.kernels.triton_ops.support import (
     check_launchable,
     interpreter_tile,
@@ -110,6 +111,7 @@ def unified_attention(
         # uint16): there the operands are upcast first, the same values with the same float32
         # accumulation.
         DOT_IN_F32=interpreted and query.dtype == torch.bfloat16,
+        KV_FP8=k_cache.dtype in FP8_KV_DTYPES,
     )
     return out
 
@@ -131,7 +133,8 @@ def _check_inputs(
         raise ValueError("k_cache and v_cache must be contiguous [num_blocks, bs, Hkv, D]")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}")
-    if not query.dtype == k_cache.dtype == v_cache.dtype:
+    fp8_cache = k_cache.dtype in FP8_KV_DTYPES and v_cache.dtype == k_cache.dtype
+    if not (fp8_cache or query.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError(
             f"dtypes differ: query {query.dtype}, k {k_cache.dtype}, v {v_cache.dtype}"
         )
@@ -171,6 +174,7 @@ def _unified_attention_kernel(
     TILE_N: tl.constexpr,  # keys per loop iteration (independent of BLOCK_SIZE)
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs: no TF32 rounding of Q and K
     DOT_IN_F32: tl.constexpr,  # upcast dot operands (the interpreter's bfloat16 workaround)
+    KV_FP8: tl.constexpr,  # the cache holds float8: K and V are widened to q's dtype on load
 ) -> None:
     req = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -224,6 +228,8 @@ def _unified_attention_kernel(
         kv_mask = dim_valid[:, None] & key_valid[None, :]  # [D_PAD, TILE_N]
         k = tl.load(k_cache_ptr + slot[None, :] + offs_d[:, None], mask=kv_mask, other=0.0)
         # k: [D_PAD, TILE_N], already transposed for Q @ K^T
+        if KV_FP8:  # a float8 cache is storage only: its values are exact in q's dtype
+            k = k.to(tl.float32).to(q.dtype)
 
         # (No jit helper for the two dots: the interpreter re-patches triton.language on every
         # nested jit call, which costs more than the rest of the loop body.)
@@ -244,6 +250,8 @@ def _unified_attention_kernel(
             mask=key_valid[:, None] & dim_valid[None, :],
             other=0.0,
         )  # [TILE_N, D_PAD]
+        if KV_FP8:
+            v = v.to(tl.float32).to(q.dtype)
         # P in the cache's dtype for the second matmul, as FlashAttention does; for float32
         # caches this is exact.
         p = probs.to(v.dtype)

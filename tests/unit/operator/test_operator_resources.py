@@ -130,7 +130,9 @@ def test_quantization_and_kv_cache_dtype_reach_the_ranks_only_when_set():
     with pytest.raises(InvalidSpec, match="quantization"):
         parse_spec({"image": "i", "model": {"path": "/m", "quantization": "awq"}})
     with pytest.raises(InvalidSpec, match="kvCacheDtype"):
-        parse_spec({"image": "i", "model": {"path": "/m"}, "engine": {"kvCacheDtype": "fp8"}})
+        parse_spec({"image": "i", "model": {"path": "/m"}, "engine": {"kvCacheDtype": "int8"}})
+    fp8 = parse_spec({"image": "i", "model": {"path": "/m"}, "engine": {"kvCacheDtype": "fp8"}})
+    assert engine_args(fp8)[engine_args(fp8).index("--kv-cache-dtype") + 1] == "fp8"
 
 
 def test_grace_period_is_the_drain_timeout_plus_a_margin():
