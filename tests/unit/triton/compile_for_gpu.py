@@ -55,10 +55,15 @@ def _attention_cases() -> list[tuple[str, Any, str, dict[str, str], dict[str, An
             "TILE_N": 64,
             "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
             "DOT_IN_F32": False,
+            "KV_FP8": False,
         }
         ints = {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")}
         name = f"attention {dtype} BLOCK_Q={block_q}"
         cases.append((name, triton_attention._unified_attention_kernel, dtype, ints, constexprs))
+        if dtype == "bf16":  # the same with a float8 cache (--kv-cache-dtype fp8)
+            fp8 = {**ints, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+            kernel = triton_attention._unified_attention_kernel
+            cases.append((f"{name} fp8 cache", kernel, dtype, fp8, {**constexprs, "KV_FP8": True}))
     return cases
 
 
@@ -68,6 +73,13 @@ def _layer_cases() -> list[tuple[str, Any, str, dict[str, str], dict[str, Any]]]
             "kv cache",
             triton_kv_cache._write_kv_cache_kernel,
             "bf16",
+            {"slot_mapping_ptr": "*i64"},
+            {"HEAD_DIM": 128, "ROW": 1024, "BLOCK_T": 8, "ROW_TILE": 1024},
+        ),
+        (
+            "kv cache fp8",
+            triton_kv_cache._write_kv_cache_kernel,
+            "fp8e4nv",
             {"slot_mapping_ptr": "*i64"},
             {"HEAD_DIM": 128, "ROW": 1024, "BLOCK_T": 8, "ROW_TILE": 1024},
         ),
