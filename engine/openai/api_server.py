@@ -7,7 +7,7 @@ while shutting down), ``GET /metrics`` (Prometheus), ``GET /admin/engines`` (JSO
 without ``Authorization: Bearer KEY``. Bad input is a 400 with an OpenAI error body naming the
 field; nothing invalid reaches a rank. Before a request costs anything it passes
 ``admission``: its body's size (413), its ``n`` × prompts (``--max-n``), and its place among
-the completions in flight (429); tokenizing then runs in a worker thread.
+the completions in flight (429); a long prompt is then tokenized in a worker thread.
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.datastructures import Headers
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from corefleet.engine.coordinator.fleet_client import FleetClient
 from corefleet.engine.frontend.input_processor import InputProcessor
@@ -30,14 +28,13 @@ from corefleet.engine.frontend.tokenizer import Tokenizer
 from corefleet.engine.messages import ReadyResponse
 from corefleet.engine.openai import protocol as p
 from corefleet.engine.openai.admission import (
-    RETRY_HEADERS,
     ApiKeys,
     InFlightLimiter,
     Ticket,
     read_body,
-    unauthorized,
 )
 from corefleet.engine.openai.errors import RequestError, parse_request
+from corefleet.engine.openai.front import ApiFront, error_response
 from corefleet.engine.openai.limits import FALLBACK_MAX_N, RequestLimits
 from corefleet.engine.openai.metrics import ServingMetrics
 from corefleet.engine.openai.openapi import served_openapi
@@ -104,64 +101,30 @@ class ServerState:
         return self.limits.effective_max_concurrent(total or FALLBACK_MAX_N)
 
 
-def _error(err: RequestError) -> JSONResponse:
-    headers = RETRY_HEADERS if err.status in (429, 503) else None
-    return JSONResponse(err.to_response().model_dump(), status_code=err.status, headers=headers)
-
-
-class _ApiKeyGate:
-    """401 on ``/v1`` and ``/admin`` without a valid key; the key's id goes to
-    ``request.state.key_id`` (None without keys). Plain ASGI on purpose: Starlette's
-    ``BaseHTTPMiddleware`` runs every response through an extra task and a memory stream,
-    which cost more than any other step of a streamed token."""
-
-    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
-        self.app = app
-        self.keys = keys
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        key_id = None
-        path: str = scope["path"]
-        if self.keys and (path.startswith("/v1") or path.startswith("/admin")):
-            key_id = self.keys.identify(Headers(scope=scope).get("authorization"))
-            if key_id is None:
-                await _error(unauthorized())(scope, receive, send)
-                return
-        scope.setdefault("state", {})["key_id"] = key_id
-        await self.app(scope, receive, send)
-
-
-def build_app(state: ServerState) -> FastAPI:
-    """The FastAPI application over ``state.fleet``."""
+def build_app(state: ServerState) -> ApiFront:
+    """The HTTP application over ``state.fleet``: FastAPI behind the front door (``front.py``:
+    the key check, and the generation routes served ahead of FastAPI's layers)."""
     app = FastAPI(title="corefleet", docs_url=None, redoc_url=None, **_WITHOUT_TELEMETRY)
-
-    app.add_middleware(_ApiKeyGate, keys=state.api_keys)
 
     async def completions(request: Request) -> Response:
         try:
             body = parse_request(p.CompletionRequest, await _body(state, request))
         except RequestError as err:
-            return _error(err)
+            return error_response(err)
         return await _generate(state, request, body, body.prompt_inputs())
 
     async def chat(request: Request) -> Response:
         try:
             body = parse_request(p.ChatCompletionRequest, await _body(state, request))
         except RequestError as err:
-            return _error(err)
+            return error_response(err)
         return await _generate(state, request, body, [_ChatPrompt(body.template_messages())])
 
-    # The generation routes are plain Starlette routes, first in the table: routes are matched
-    # in order, and FastAPI's handler (dependency solving, an exit stack per request) does
-    # nothing for handlers that read and validate the body themselves. Their OpenAPI
-    # description is written by hand anyway (``openapi.py``).
-    app.router.routes[:0] = [
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-    ]
+    # The front door serves their POSTs; in FastAPI's table (plain Starlette routes: no
+    # dependency solving) they answer other methods with 405. Their OpenAPI description is
+    # written by hand (``openapi.py``).
+    generation = {"/v1/completions": completions, "/v1/chat/completions": chat}
+    app.router.routes[:0] = [Route(path, fn, methods=["POST"]) for path, fn in generation.items()]
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -195,7 +158,7 @@ def build_app(state: ServerState) -> FastAPI:
         state.limits,
         state.fleet.membership.accepting(),
     )
-    return app
+    return ApiFront(app, state.api_keys, generation)
 
 
 async def _generate(
@@ -209,12 +172,12 @@ async def _generate(
     try:
         ticket = _admit(state, request, body, len(prompts))
     except RequestError as err:
-        return _error(err)
+        return error_response(err)
     try:
         generation = await _start(state, body, prompts)
     except RequestError as err:
         ticket.release()
-        return _error(err)
+        return error_response(err)
     name, metrics = state.model_name, state.metrics
     if body.stream:
         if isinstance(body, p.CompletionRequest):
