@@ -239,6 +239,8 @@ class FleetServer:
 
         ZMQ's file descriptor signals edges, not levels: it stays quiet until the socket has
         been read down to EAGAIN, which is why a full batch reschedules itself."""
+        if self.outputs.closed:  # a turn scheduled before close()
+            return
         for _ in range(_OUTPUT_BATCH):
             try:
                 frames = self.outputs.recv_multipart(zmq.NOBLOCK, copy=False)
