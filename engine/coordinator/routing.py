@@ -9,11 +9,14 @@ more, not having even started its prefill. The caller's side of the contract (no
 * ``RankLoad.accepting`` is False until the rank's handshake is done, and once it drains or dies.
 * ``forget_rank`` is called when a rank leaves or dies, so a pod restarted under the same id
   (cold prefix cache) is not credited with its predecessor's prefixes.
+* ``prefix-aware`` remembers where this process sent each prefix; ``prefix-hash`` derives the rank
+  from the prefix itself, so several coordinators that share nothing agree (docs/coordinator.md).
 * Policies hold small mutable state and are not thread-safe: call them from one thread.
 """
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
@@ -86,7 +89,7 @@ class RoutingPolicy(ABC):
     ) -> int:
         """The rank for this request among accepting ranks not in ``exclude`` (a request re-sent
         after a refusal or a rank death excludes the ranks that failed it). ``cache_salt``, the
-        request's, matters only to prefix-aware routing. Raises NoRankAvailable."""
+        request's, matters only to the prefix policies. Raises NoRankAvailable."""
         return self._select(prompt_token_ids, _candidates(ranks, exclude), cache_salt)
 
     @abstractmethod
@@ -227,8 +230,93 @@ class PrefixAware(RoutingPolicy):
             holders.popitem(last=False)
 
 
+class PrefixHash(RoutingPolicy):
+    """Sends a prefix to a rank computed from the prefix alone, so every coordinator agrees.
+
+    For fleets with several coordinators that do not talk to each other (each has its own
+    ``PrefixAware`` memory, so they would scatter one prefix over the ranks). Key: the engine's
+    chained hash of the prompt's first ``min(full blocks, key_blocks)`` blocks (``cache_salt``
+    included), i.e. 128 tokens at the defaults: prompts sharing a longer system prompt meet on one
+    rank, prompts sharing less spread. Only those blocks are hashed, whatever the prompt's length.
+
+    Rank: rendezvous (highest-random-weight) hashing. Each candidate rank weighs
+    ``blake2b(key || rank)``, a hash that is the same in every process and on every machine
+    (Python's ``hash()`` is salted per process). The order depends only on the key and the set of
+    ranks: a rank leaving moves only its own keys, spread over the others, and a rank joining
+    takes ~1/N of all keys, evenly from the others; there is no ring or table to keep in sync.
+
+    Load: the first rank in that order whose score is ``<= min_score + max(slack_abs, slack_frac
+    * min_score)`` (PrefixAware's bound and defaults). The bound is relative to the least-loaded
+    rank, so coordinators whose views differ only by their own recent routing (the optimistic
+    bump) mostly agree. A hot prefix over its bound spills to the *next* rank in its order rather
+    than to the least-loaded one, so every coordinator spills it to the same second rank, which
+    warms its cache, instead of scattering it. Prompts under one block go least-loaded.
+
+    State: none per request (memory stays bounded whatever clients send); cost per request is
+    ``key_blocks`` block hashes plus one small hash per candidate rank. ``forget_rank`` has nothing
+    to forget: a pod restarted under the same rank id gets the same keys back.
+    """
+
+    name = "prefix-hash"
+
+    def __init__(
+        self,
+        block_size: int = 16,
+        *,
+        key_blocks: int = 8,
+        slack_abs: int = 8,
+        slack_frac: float = 0.25,
+    ) -> None:
+        if block_size < 1 or key_blocks < 1 or slack_abs < 0 or slack_frac < 0:
+            raise ValueError(
+                "PrefixHash needs block_size, key_blocks >= 1 and slack >= 0, got "
+                f"{block_size=}, {key_blocks=}, {slack_abs=}, {slack_frac=}"
+            )
+        self.block_size = block_size
+        self.key_blocks = key_blocks
+        self.slack_abs = slack_abs
+        self.slack_frac = slack_frac
+        self._least = LeastLoaded()
+
+    def key_hashes(
+        self, prompt_token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> list[BlockHash]:
+        """The chained hashes of the prompt's first ``min(full blocks, key_blocks)`` blocks; the
+        last one is the routing key (empty under one block). Equal to the first hashes the engine
+        computes for the prompt, so a key shared by two prompts is a prefix its cache can reuse."""
+        # Slice before hashing: a 1M-token prompt costs 8 block hashes here, not 62,500.
+        head = prompt_token_ids[: self.key_blocks * self.block_size]
+        return prefix_block_hashes(head, self.block_size, cache_salt)
+
+    def order(self, key: BlockHash, ranks: Collection[int]) -> list[int]:
+        """``ranks`` by decreasing rendezvous weight for ``key``: the order every coordinator
+        tries them in."""
+        return sorted(ranks, key=lambda rank: _rendezvous_weight(key, rank), reverse=True)
+
+    def _select(
+        self, prompt_token_ids: Sequence[int], candidates: list[RankLoad], cache_salt: str | None
+    ) -> int:
+        hashes = self.key_hashes(prompt_token_ids, cache_salt)
+        if not hashes:
+            return self._least.pick(candidates)  # nothing cacheable to be affine to
+        key = hashes[-1]
+        min_score = min(r.score for r in candidates)
+        bound = min_score + max(self.slack_abs, self.slack_frac * min_score)
+        # The first within the bound in rendezvous order is the heaviest such rank: one pass. The
+        # least-loaded rank is always within the bound, so there is always one.
+        within = (r.rank for r in candidates if r.score <= bound)
+        return max(within, key=lambda rank: _rendezvous_weight(key, rank))
+
+
+def _rendezvous_weight(key: BlockHash, rank: int) -> int:
+    """Stable 64-bit weight of ``(key, rank)``: identical across processes, machines and Python
+    versions. Changing it makes coordinators of different versions disagree during a rollout."""
+    payload = key + rank.to_bytes(8, "big", signed=True)
+    return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "big")
+
+
 _POLICIES: dict[str, type[RoutingPolicy]] = {
-    cls.name: cls for cls in (LeastLoaded, RoundRobin, PrefixAware)
+    cls.name: cls for cls in (LeastLoaded, RoundRobin, PrefixAware, PrefixHash)
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
 
@@ -237,6 +325,8 @@ def make_policy(name: str, block_size: int = 16) -> RoutingPolicy:
     """The policy for a ``--routing`` value; ``block_size`` must be the engines' block size."""
     if name == PrefixAware.name:
         return PrefixAware(block_size)
+    if name == PrefixHash.name:
+        return PrefixHash(block_size)
     if name not in _POLICIES:
         raise ValueError(f"unknown routing policy {name!r}, not one of {', '.join(POLICY_NAMES)}")
     return _POLICIES[name]()
