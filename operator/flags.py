@@ -1,7 +1,8 @@
 """The command lines of the rank and coordinator containers (vLLM flag names).
 
 `corefleet engine-core --coordinator HOST:PORT --rank R ...` and `corefleet coordinator ...`,
-built from the spec; the rank and the coordinator address are added by `resources.py`.
+built from the spec; the rank and the coordinator address are added by the builders
+(`resources.py`, `coordinator_resources.py`).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "Deployment": ("apis/apps/v1", "deployments"),
     "PodDisruptionBudget": ("apis/policy/v1", "poddisruptionbudgets"),
     "NetworkPolicy": ("apis/networking.k8s.io/v1", "networkpolicies"),
+    "HorizontalPodAutoscaler": ("apis/autoscaling/v2", "horizontalpodautoscalers"),
     "InferenceEngine": ("apis/corefleet.dev/v1alpha1", "inferenceengines"),
 }
 

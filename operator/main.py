@@ -36,6 +36,7 @@ CHILD_KINDS = (
     "Deployment",
     "PodDisruptionBudget",
     "NetworkPolicy",
+    "HorizontalPodAutoscaler",
 )
 
 __all__ = ["settings"]  # imported for its @kopf.on.startup hook

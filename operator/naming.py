@@ -45,8 +45,18 @@ def engine_pod_name(name: str, rank: int) -> str:
 
 
 def coordinator_name(name: str) -> str:
-    """Name of the coordinator Deployment, Service and NetworkPolicy."""
+    """Name of the coordinator Deployment, HTTP Service, NetworkPolicy, PDB and HPA."""
     return f"{name}-coordinator"
+
+
+def coordinator_discovery_name(name: str) -> str:
+    """`<name>-coordinators`: the headless Service whose DNS name resolves to every coordinator.
+
+    Ranks dial it (`--coordinator <name>-coordinators:5570`) and join each address it resolves
+    to. The suffix is short on purpose: with a 50-character engine name (the CRD's limit) the
+    Service name is 63 characters, the most a DNS label allows.
+    """
+    return f"{name}-coordinators"
 
 
 def engine_group_name(name: str) -> str:

@@ -8,7 +8,9 @@ next call sees their effect.
 Rules, in the order they are applied:
 
 1. Children other than the rank pods are created when missing and patched when their spec hash
-   differs from the one the builders produce now. The CURVE Secret is only ever created.
+   differs from the one the builders produce now. The CURVE Secret is only ever created. A
+   child of an optional kind (the coordinators' HPA) that the spec no longer asks for is
+   deleted; every other child lives as long as the engine.
 2. Scale down: ranks >= dataParallelSize are deleted, highest first. Their SIGTERM drains them;
    they are first annotated do-not-disrupt so no autoscaler kills the node under a drain.
 3. A rank whose pod is finished (phase Failed/Succeeded: evicted, node lost) is deleted so it can be
@@ -44,13 +46,16 @@ from corefleet.operator.naming import (
 from corefleet.operator.resources import build_children, build_engine_pod, engine_pod_template
 from corefleet.operator.spec import EngineSpec
 
+# Child kinds that exist only while the spec asks for them (spec.coordinator.autoscaling).
+OPTIONAL_KINDS = frozenset({"HorizontalPodAutoscaler"})
+
 
 @dataclasses.dataclass(frozen=True)
 class Action:
     """One API write. `body` is the manifest (create) or a JSON merge patch (patch)."""
 
     verb: str  # create | patch | delete
-    kind: str  # Pod, Service, ConfigMap, Secret, Deployment, PodDisruptionBudget, NetworkPolicy
+    kind: str  # Pod, or a child kind: Service, Deployment, HorizontalPodAutoscaler, ...
     name: str
     body: Mapping[str, Any] | None = None
     reason: str = ""  # CamelCase, also the Event reason for rank actions
@@ -110,7 +115,8 @@ def _children_actions(
 ) -> list[Action]:
     secret_missing = ("Secret", curve_secret_name(owner.name)) not in observed.children
     actions = []
-    for child in build_children(owner, spec, keys if secret_missing else None):
+    wanted = build_children(owner, spec, keys if secret_missing else None)
+    for child in wanted:
         kind, name = child["kind"], child["metadata"]["name"]
         want = child["metadata"]["annotations"][HASH_ANNOTATION]
         if (kind, name) not in observed.children:
@@ -127,6 +133,14 @@ def _children_actions(
                     "ChildUpdated",
                     f"updated {kind} {name} to the current spec",
                 )
+            )
+    built = {(c["kind"], c["metadata"]["name"]) for c in wanted}
+    for kind, name in sorted(observed.children):
+        # The HPA of an engine whose autoscaling was removed: left in place, it would keep
+        # resizing the Deployment against spec.coordinator.replicas.
+        if kind in OPTIONAL_KINDS and (kind, name) not in built:
+            actions.append(
+                Action("delete", kind, name, None, "ChildDeleted", f"deleted {kind} {name}")
             )
     return actions
 

@@ -27,7 +27,10 @@ ROUTING_FLAGS = {
     "LeastLoaded": "least-loaded",
     "PrefixAware": "prefix-aware",
     "RoundRobin": "round-robin",
+    "PrefixHash": "prefix-hash",
 }
+MAX_RANKS = 1024  # the CRD's maximum of dataParallelSize
+MAX_COORDINATORS = 100  # the CRD's maximum of coordinator.replicas and autoscaling bounds
 VOLUME_SOURCES = ("persistentVolumeClaim", "hostPath", "nfs", "image", "csi")
 
 
@@ -85,10 +88,21 @@ class SecretKeyRef:
 
 
 @dataclasses.dataclass(frozen=True)
+class CoordinatorAutoscaling:
+    """`spec.coordinator.autoscaling`: an HPA on the coordinators' CPU owns their count."""
+
+    max_replicas: int
+    min_replicas: int = 1
+    target_cpu_utilization_percentage: int = 80
+
+
+@dataclasses.dataclass(frozen=True)
 class CoordinatorSpec:
-    """`spec.coordinator`: the CPU-only pod that serves the API and routes to ranks."""
+    """`spec.coordinator`: the CPU-only pods that serve the API and route to ranks."""
 
     routing: str = "LeastLoaded"
+    replicas: int = 1  # unused while `autoscaling` is set: the HPA owns the count
+    autoscaling: CoordinatorAutoscaling | None = None
     service_type: str = "ClusterIP"
     service_port: int = 8000
     node_port: int | None = None
@@ -124,12 +138,21 @@ def _obj(raw: Any, field: str) -> Mapping[str, Any]:
     return raw
 
 
-def _int(raw: Mapping[str, Any], key: str, field: str, default: Any, minimum: int) -> Any:
+def _int(
+    raw: Mapping[str, Any],
+    key: str,
+    field: str,
+    default: Any,
+    minimum: int,
+    maximum: int | None = None,
+) -> Any:
     value = raw.get(key, default)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidSpec(f"{field}.{key} must be an integer >= {minimum}, got {value!r}")
+    bad = isinstance(value, bool) or not isinstance(value, int) or value < minimum
+    if bad or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        raise InvalidSpec(f"{field}.{key} must be an integer {bounds}, got {value!r}")
     return value
 
 
@@ -214,6 +237,27 @@ def _shutdown(raw: Mapping[str, Any]) -> ShutdownSpec:
     return ShutdownSpec(mode=mode, drain_timeout_seconds=timeout)
 
 
+def _autoscaling(raw: Any) -> CoordinatorAutoscaling | None:
+    if raw is None:
+        return None
+    field = "spec.coordinator.autoscaling"
+    obj = _obj(raw, field)
+    if "maxReplicas" not in obj:
+        raise InvalidSpec(f"{field}.maxReplicas is required")
+    scaling = CoordinatorAutoscaling(
+        min_replicas=_int(obj, "minReplicas", field, 1, 1, MAX_COORDINATORS),
+        max_replicas=_int(obj, "maxReplicas", field, None, 1, MAX_COORDINATORS),
+        # Above 100 is meaningful: utilization is relative to the CPU request, and a
+        # coordinator may use more than it requests when its limit allows.
+        target_cpu_utilization_percentage=_int(
+            obj, "targetCPUUtilizationPercentage", field, 80, 1, 1000
+        ),
+    )
+    if scaling.min_replicas > scaling.max_replicas:
+        raise InvalidSpec(f"{field}.minReplicas must be <= {field}.maxReplicas")
+    return scaling
+
+
 def _coordinator(raw: Mapping[str, Any]) -> CoordinatorSpec:
     service = _obj(raw.get("service"), "spec.coordinator.service")
     service_type = _choice(
@@ -235,8 +279,10 @@ def _coordinator(raw: Mapping[str, Any]) -> CoordinatorSpec:
         ref = SecretKeyRef(name=str(ref_obj["name"]), key=str(ref_obj.get("key", "api-key")))
     return CoordinatorSpec(
         routing=_choice(raw, "routing", "spec.coordinator", "LeastLoaded", ROUTING_FLAGS),
+        replicas=_int(raw, "replicas", "spec.coordinator", 1, 1, MAX_COORDINATORS),
+        autoscaling=_autoscaling(raw.get("autoscaling")),
         service_type=service_type,
-        service_port=_int(service, "port", "spec.coordinator.service", 8000, 1),
+        service_port=_int(service, "port", "spec.coordinator.service", 8000, 1, 65535),
         node_port=node_port,
         resources=raw.get("resources"),
         api_key_secret_ref=ref,
@@ -267,8 +313,8 @@ def parse_spec(spec: Mapping[str, Any]) -> EngineSpec:
         tolerations=tuple(spec.get("tolerations") or ()),
         affinity=spec.get("affinity"),
         env=tuple(spec.get("env") or ()),
-        data_parallel_size=_int(spec, "dataParallelSize", "spec", 1, 0),
-        tensor_parallel_size=_int(spec, "tensorParallelSize", "spec", 1, 1),
+        data_parallel_size=_int(spec, "dataParallelSize", "spec", 1, 0, MAX_RANKS),
+        tensor_parallel_size=_int(spec, "tensorParallelSize", "spec", 1, 1, 64),
         engine=_engine(_obj(spec.get("engine"), "spec.engine"), model),
         shutdown=_shutdown(_obj(spec.get("shutdown"), "spec.shutdown")),
         coordinator=_coordinator(_obj(spec.get("coordinator"), "spec.coordinator")),

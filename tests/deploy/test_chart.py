@@ -72,6 +72,8 @@ OBJECT_RULES = _rules(
     ("apps", "deployments", "list watch create patch"),  # same
     ("policy", "poddisruptionbudgets", "list watch create patch"),  # same
     ("networking.k8s.io", "networkpolicies", "list watch create patch"),  # same
+    # main.py CHILD_KINDS; _children_actions, which deletes it when autoscaling is removed
+    ("autoscaling", "horizontalpodautoscalers", "list watch create patch delete"),
     ("", "secrets", "list watch create get"),  # CURVE Secret; the API key (controller.py)
     ("", "persistentvolumeclaims", "get"),  # controller.py _volume_missing
     ("corefleet.dev", "inferenceengines", "list watch patch"),  # kopf: watch, annotations

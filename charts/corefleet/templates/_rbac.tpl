@@ -28,6 +28,12 @@ clusterrole.yaml grants only the reads that exist solely at cluster scope (CRDs,
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [list, watch, create, patch]
+# The coordinators' HorizontalPodAutoscaler (spec.coordinator.autoscaling): indexed, created and
+# patched like the other children, and deleted when the spec drops autoscaling (reconcile.py
+# OPTIONAL_KINDS), since left behind it would keep resizing the coordinator Deployment.
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [list, watch, create, patch, delete]
 # The CURVE key Secret: indexed by kopf and created once; never patched (reconcile.py skips it).
 # get: the coordinator's API key Secret (spec.coordinator.apiKeySecretRef), read to call the
 # coordinator's /admin/engines (controller.py _api_key).

@@ -70,6 +70,20 @@ VALID = {
     ),
     "abort without timeout": manifest(shutdown={"mode": "Abort"}),
     "node port": manifest(coordinator={"service": {"type": "NodePort", "nodePort": 30080}}),
+    "several coordinators": manifest(coordinator={"replicas": 3, "routing": "PrefixHash"}),
+    "autoscaled coordinators": manifest(
+        coordinator={
+            "autoscaling": {
+                "minReplicas": 2,
+                "maxReplicas": 8,
+                "targetCPUUtilizationPercentage": 150,
+            },
+            "resources": {"requests": {"cpu": "500m"}},
+        }
+    ),
+    "autoscaling at a fixed count": manifest(
+        coordinator={"autoscaling": {"minReplicas": 4, "maxReplicas": 4}}
+    ),
     "scaled to zero": manifest(dataParallelSize=0),
     "image volume, path at the mount": manifest(
         model={
@@ -99,6 +113,26 @@ INVALID = {  # name -> (manifest, a fragment of the refusal)
     "zero drain timeout": (manifest(shutdown={"drainTimeoutSeconds": 0}), "less than the minimum"),
     "unknown routing": (manifest(coordinator={"routing": "Random"}), "is not one of"),
     "port out of range": (manifest(coordinator={"service": {"port": 70000}}), "greater than"),
+    "no coordinator": (manifest(coordinator={"replicas": 0}), "less than the minimum"),
+    "absurd coordinator count": (
+        manifest(coordinator={"replicas": 2**31}),
+        "greater than the maximum",
+    ),
+    "coordinators as a string": (manifest(coordinator={"replicas": "2"}), "is not of type"),
+    "autoscaling without a maximum": (
+        manifest(coordinator={"autoscaling": {"minReplicas": 2}}),
+        "'maxReplicas' is a required property",
+    ),
+    "autoscaling above the maximum": (
+        manifest(coordinator={"autoscaling": {"maxReplicas": 2**31}}),
+        "greater than the maximum",
+    ),
+    "zero cpu target": (
+        manifest(
+            coordinator={"autoscaling": {"maxReplicas": 2, "targetCPUUtilizationPercentage": 0}}
+        ),
+        "less than the minimum",
+    ),
     "bad pull policy": (manifest(imagePullPolicy="Sometimes"), "is not one of"),
     "gpu count as a list": (
         manifest(resources={"limits": {"nvidia.com/gpu": [1]}}),
@@ -139,6 +173,10 @@ INVALID = {  # name -> (manifest, a fragment of the refusal)
         manifest(coordinator={"service": {"nodePort": 30080}}),
         "only allowed with type NodePort",
     ),
+    "autoscaling minimum above its maximum": (
+        manifest(coordinator={"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}),
+        "minReplicas must be <= maxReplicas",
+    ),
     "reserved env name": (
         manifest(env=[{"name": "POD_IP", "value": "1.2.3.4"}]),
         "set by the operator",
@@ -175,6 +213,19 @@ CEL_ONLY = [
     "empty volume",
     "path outside the mount",
     "node port on ClusterIP",
+    "autoscaling minimum above its maximum",
+]
+# Schema refusals the operator repeats, for a spec that skipped the server's validation: a
+# replica count of 2**31 must end as a Degraded engine, never as a Deployment that asks for it.
+SCHEMA_MIRRORED = [
+    "no coordinator",
+    "absurd coordinator count",
+    "coordinators as a string",
+    "autoscaling without a maximum",
+    "autoscaling above the maximum",
+    "zero cpu target",
+    "negative ranks",
+    "port out of range",
 ]
 
 
@@ -183,6 +234,31 @@ def test_the_operator_refuses_what_cel_refuses(name):
     # Defence in depth: a server without CEL (or an old object) still gets InvalidSpec.
     with pytest.raises(InvalidSpec):
         parse_spec(defaulted(INVALID[name][0])["spec"])
+
+
+@pytest.mark.parametrize("name", SCHEMA_MIRRORED)
+def test_the_operator_refuses_what_the_schema_refuses(name):
+    with pytest.raises(InvalidSpec, match=r"^spec\."):  # the message names the field
+        parse_spec(defaulted(INVALID[name][0])["spec"])
+
+
+def test_absurd_values_name_the_field_and_its_bounds():
+    base = BASE["spec"]
+    with pytest.raises(
+        InvalidSpec,
+        match=r"spec\.coordinator\.replicas must be an integer in 1\.\.100, got 2147483648",
+    ):
+        parse_spec({**base, "coordinator": {"replicas": 2**31}})
+    with pytest.raises(
+        InvalidSpec, match=r"spec\.dataParallelSize must be an integer in 0\.\.1024"
+    ):
+        parse_spec({**base, "dataParallelSize": 2**31})
+    with pytest.raises(InvalidSpec, match=r"spec\.coordinator\.replicas .* got True"):
+        parse_spec({**base, "coordinator": {"replicas": True}})
+    with pytest.raises(InvalidSpec, match="minReplicas must be <= "):
+        parse_spec({**base, "coordinator": {"autoscaling": {"minReplicas": 3, "maxReplicas": 2}}})
+    with pytest.raises(InvalidSpec, match="autoscaling must be an object"):
+        parse_spec({**base, "coordinator": {"autoscaling": 3}})
 
 
 def test_every_cel_rule_compiles_and_there_are_cross_field_rules():
@@ -194,6 +270,16 @@ def test_defaults_fill_the_spec_and_match_the_operators_defaults():
     assert spec["dataParallelSize"] == 1 and spec["engine"]["maxNumSeqs"] == 256
     assert spec["shutdown"] == {"mode": "Drain"}
     assert spec["coordinator"]["service"] == {"type": "ClusterIP", "port": 8000}
+    assert spec["coordinator"]["replicas"] == 1 and "autoscaling" not in spec["coordinator"]
+    scaled = defaulted(manifest(coordinator={"autoscaling": {"maxReplicas": 3}}))["spec"]
+    assert scaled["coordinator"]["autoscaling"] == {
+        "minReplicas": 1,
+        "maxReplicas": 3,
+        "targetCPUUtilizationPercentage": 80,
+    }
+    assert parse_spec(scaled) == parse_spec(
+        manifest(coordinator={"autoscaling": {"maxReplicas": 3}})["spec"]
+    )
     # The operator repeats the defaults (it never writes spec); both must agree.
     assert parse_spec(spec) == parse_spec(BASE["spec"])
 

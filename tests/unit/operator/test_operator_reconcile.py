@@ -29,9 +29,11 @@ def test_fresh_engine_creates_every_child_then_every_rank():
     assert summary(result) == [
         ("create", "Secret", "curve"),
         ("create", "ConfigMap", "engine-args"),
-        ("create", "Service", "coordinator"),
         ("create", "Service", "engine"),
         ("create", "PodDisruptionBudget", "engine"),
+        ("create", "Service", "coordinator"),
+        ("create", "Service", "coordinators"),
+        ("create", "PodDisruptionBudget", "coordinator"),
         ("create", "NetworkPolicy", "coordinator"),
         ("create", "Deployment", "coordinator"),
         ("create", "Pod", "engine-0"),
@@ -165,3 +167,40 @@ def test_pure_no_keys_no_secret():
     found = {k: v for k, v in children().items() if k[0] != "Secret"}
     assert summary(run(1, [pod(0)], found=found)) == []
     assert summary(run(1, [pod(0)], found=found, keys=KEYS)) == [("create", "Secret", "curve")]
+
+
+def _autoscaled(ranks: int = 1) -> Any:
+    return spec(ranks, coordinator={"autoscaling": {"minReplicas": 2, "maxReplicas": 4}})
+
+
+def test_autoscaling_adds_an_hpa_and_patches_the_deployment_without_replicas():
+    found = children()
+    observed = Observed(pods={0: pod(0)}, children=found)
+    result = plan(OWNER, _autoscaled(), observed, NOW)
+    assert summary(result) == [
+        ("patch", "Deployment", "coordinator"),
+        ("create", "HorizontalPodAutoscaler", "coordinator"),
+    ]
+    # The merge patch has no replicas: whatever the HPA set stays.
+    assert "replicas" not in result.actions[0].body["spec"]
+    # Converged: the HPA and the Deployment carry the current hashes, nothing to do, however
+    # many replicas the HPA chose meanwhile (the reconcile compares hashes, not replicas).
+    hashes = {
+        (a.kind, a.name): a.body["metadata"]["annotations"][HASH_ANNOTATION] for a in result.actions
+    }
+    converged = Observed(pods={0: pod(0)}, children={**found, **hashes})
+    assert summary(plan(OWNER, _autoscaled(), converged, NOW)) == []
+
+
+def test_an_hpa_the_spec_no_longer_asks_for_is_deleted_and_replicas_return():
+    hpa = ("HorizontalPodAutoscaler", "llama-coordinator")
+    found = {**children(), hpa: "old", ("Deployment", "llama-coordinator"): "old"}
+    result = plan(OWNER, spec(1), Observed(pods={0: pod(0)}, children=found), NOW)
+    assert summary(result) == [
+        ("patch", "Deployment", "coordinator"),
+        ("delete", "HorizontalPodAutoscaler", "coordinator"),
+    ]
+    assert result.actions[0].body["spec"]["replicas"] == 1
+    # Other kinds are never deleted by the reconcile, even under a name it does not build.
+    stray = {**children(), ("Service", "llama-other"): "x", ("PodDisruptionBudget", "x"): "y"}
+    assert summary(plan(OWNER, spec(1), Observed(pods={0: pod(0)}, children=stray), NOW)) == []
