@@ -7,14 +7,15 @@ lacks what kopf and kubectl need: server-filled
 uid/resourceVersion/creationTimestamp/generation/kind/apiVersion, 409 on stale writes, 422 on a
 failed JSON-patch test, status-subresource isolation, `/scale` through the CRD's `specReplicasPath`,
 label/field selectors, watches that resume from a resourceVersion (410 Expired past the replay
-window) and honour `timeoutSeconds`, 201 on create, CRD schema defaulting, `pods/binding` and
-`pods/log` through a hook (`kubeemu_pods`), deletecollection, server-side printing for kubectl
-(`kubeemu_table`, `kubeemu_printers`), strategic merge patches (a subset, `kubeemu_model`), deletion
-with finalizers, graceful pod termination and garbage collection, Foreground included
-(`kubeemu_lifecycle`), CRD establishment and clean-up with the real server's 404 for kinds it does
-not serve (`kubeemu_crds`, `crd_establish_seconds`), the update rules (`kubeemu_writes`), watch
-bookmarks (`bookmark_seconds`), and O(1) dispatch while no reaction is declared (kmock re-filters
-its request log per request). docs/local-cluster.md lists the conventions and their tests.
+window) and honour `timeoutSeconds`, 201 on create, CRD schema defaulting (and a Deployment's
+replicas), `pods/binding` and `pods/log` through a hook (`kubeemu_pods`), deletecollection,
+server-side printing for kubectl (`kubeemu_table`, `kubeemu_printers`), strategic merge
+patches (a subset, `kubeemu_model`), deletion with finalizers, graceful pod termination and garbage
+collection, Foreground included (`kubeemu_lifecycle`), CRD establishment and clean-up with the real
+server's 404 for kinds it does not serve (`kubeemu_crds`, `crd_establish_seconds`), the update
+rules (`kubeemu_writes`), watch bookmarks (`bookmark_seconds`), and O(1) dispatch while no reaction
+is declared (kmock re-filters its request log per request). docs/local-cluster.md lists the
+conventions and their tests.
 
 Pod deletion, three ways:
 - default: a pod without finalizers goes at once, like any object;
@@ -49,7 +50,7 @@ from kubeemu_crds import CRDS, CrdControllers
 from kubeemu_discovery import ResourceType
 from kubeemu_lifecycle import Key, Lifecycle
 from kubeemu_model import (
-    apply_defaults,
+    apply_kind_defaults,
     fields_match,
     labels_match,
     now_rfc3339,
@@ -331,8 +332,7 @@ class KubeEmu(PodEndpoints, CrdControllers, Lifecycle, OpenApiScaffold):
         body.update(apiVersion=gv, kind=rtype.kind)
         if "status" in rtype.subresources and path != "v1/namespaces":
             body.pop("status", None)
-        if rtype.schema is not None:
-            apply_defaults(rtype.schema, body)
+        apply_kind_defaults(rtype.schema, rtype.defaults, body)
         if path == CRDS:
             self._crd_created(body)  # its status; served now or once established
         self.objects[key] = body
@@ -357,8 +357,7 @@ class KubeEmu(PodEndpoints, CrdControllers, Lifecycle, OpenApiScaffold):
                 meta[field] = current["metadata"][field]
         new.update(apiVersion=current.get("apiVersion"), kind=current.get("kind"))
         check_finalizers(current, new)
-        if rtype.schema is not None:
-            apply_defaults(rtype.schema, new)
+        apply_kind_defaults(rtype.schema, rtype.defaults, new)
         meta["generation"] = next_generation(rtype, current, new)
         meta["resourceVersion"] = self._next_rv()
         self.objects[key] = new

@@ -34,6 +34,7 @@ BUILTINS = [  # (group/version, plural, kind, namespaced, subresources)
     ("apps/v1", "deployments", "Deployment", True, {"status", "scale"}),
     ("policy/v1", "poddisruptionbudgets", "PodDisruptionBudget", True, {"status"}),
     ("networking.k8s.io/v1", "networkpolicies", "NetworkPolicy", True, set()),
+    ("autoscaling/v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler", True, {"status"}),
     (
         "apiextensions.k8s.io/v1",
         "customresourcedefinitions",
@@ -54,9 +55,14 @@ SHORT_NAMES = {
     "deployments": ["deploy"],
     "poddisruptionbudgets": ["pdb"],
     "networkpolicies": ["netpol"],
+    "horizontalpodautoscalers": ["hpa"],
     "customresourcedefinitions": ["crd", "crds"],
 }
-IN_ALL = {"pods", "services", "deployments"}  # `kubectl get all`
+IN_ALL = {"pods", "services", "deployments", "horizontalpodautoscalers"}  # `kubectl get all`
+# What the real server's defaulting gives a built-in kind on every write (a path -> value where
+# the field is absent), for the fields something here reads: a Deployment without replicas (one
+# an HPA owns) has 1 (SetDefaults_Deployment).
+BUILTIN_DEFAULTS: dict[str, dict[str, Any]] = {"apps/v1/deployments": {".spec.replicas": 1}}
 UNKNOWN_RESOURCE = {  # what the real server answers for a resource or group it does not serve
     "apiVersion": "v1",
     "kind": "Status",
@@ -98,6 +104,7 @@ class ResourceType:
     schema: Mapping[str, Any] | None = None
     replicas_path: str = ".spec.replicas"
     printer_columns: Sequence[Mapping[str, Any]] | None = None  # set (maybe empty) for CRDs
+    defaults: Mapping[str, Any] = attrs.field(factory=dict)  # BUILTIN_DEFAULTS of the kind
     crd: str | None = None  # the defining CustomResourceDefinition's name; None: built in
 
 
@@ -112,6 +119,7 @@ class DiscoveryScaffold(kmock.KubernetesScaffold):
         super().__attrs_post_init__()
         for gv, plural, kind, namespaced, subs in BUILTINS:
             extra = {"categories": ["all"] if plural in IN_ALL else []}
+            extra["defaults"] = BUILTIN_DEFAULTS.get(f"{gv}/{plural}", {})
             self.declare(
                 gv, plural, kind, namespaced, subs, shortnames=SHORT_NAMES[plural], **extra
             )

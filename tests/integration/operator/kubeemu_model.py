@@ -188,6 +188,17 @@ def apply_defaults(schema: Mapping[str, Any], value: Any) -> Any:
     return value
 
 
+def apply_kind_defaults(
+    schema: Mapping[str, Any] | None, fields: Mapping[str, Any], obj: dict[str, Any]
+) -> None:
+    """Default an object on write: its CRD schema's defaults, or a built-in kind's `fields`."""
+    if schema is not None:
+        apply_defaults(schema, obj)
+    for dotted, value in fields.items():
+        if get_path(obj, dotted) is None:
+            set_path(obj, dotted, copy.deepcopy(value))
+
+
 def get_path(obj: Any, dotted: str) -> Any:
     """Value at a `.a.b.c` path (None when any step is absent)."""
     for part in dotted.strip(".").split("."):

@@ -31,11 +31,11 @@ IE = "corefleet.dev/v1alpha1/inferenceengines"
 IE_URL = "/apis/corefleet.dev/v1alpha1/namespaces/default/inferenceengines"
 MERGE = {"Content-Type": "application/merge-patch+json"}
 CHILDREN = {  # resource path -> child names, for an engine called "llama"
-    "v1/services": {"llama-coordinator", "llama-engine"},
+    "v1/services": {"llama-coordinator", "llama-coordinators", "llama-engine"},
     "v1/configmaps": {"llama-engine-args"},
     "v1/secrets": {"llama-curve"},
     "apps/v1/deployments": {"llama-coordinator"},
-    "policy/v1/poddisruptionbudgets": {"llama-engine"},
+    "policy/v1/poddisruptionbudgets": {"llama-engine", "llama-coordinator"},
     "networking.k8s.io/v1/networkpolicies": {"llama-coordinator"},
 }
 

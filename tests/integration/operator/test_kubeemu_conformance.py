@@ -219,6 +219,25 @@ def test_the_scale_subresource(api: Api) -> None:
     assert (obj["spec"]["dataParallelSize"], obj["metadata"]["generation"]) == (3, 2)
 
 
+def test_a_deployment_defaults_replicas_and_its_scale_owns_them(api: Api) -> None:
+    # SetDefaults_Deployment: no replicas is 1. An HPA then writes /scale, and a merge patch
+    # that leaves replicas out (the operator's, for an autoscaled Deployment) keeps its value.
+    template = {"metadata": {"labels": {"app": "d"}}, "spec": {"containers": []}}
+    body = {"metadata": {"name": "d"}, "spec": {"template": template}}
+    assert api.ok("POST", DEPLOYS, body)["spec"]["replicas"] == 1
+    scale = api.ok("GET", f"{DEPLOYS}/d/scale")
+    assert (scale["kind"], scale["spec"]) == ("Scale", {"replicas": 1})
+    api.ok("PATCH", f"{DEPLOYS}/d/scale", {"spec": {"replicas": 3}})
+    patch = {"spec": {"strategy": {"type": "RollingUpdate"}}}
+    assert api.ok("PATCH", f"{DEPLOYS}/d", patch)["spec"]["replicas"] == 3
+    assert api.ok("PATCH", f"{DEPLOYS}/d", {"spec": {"replicas": None}})["spec"]["replicas"] == 1
+    hpas = "/apis/autoscaling/v2/namespaces/default/horizontalpodautoscalers"
+    ref = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "d"}
+    hpa = {"metadata": {"name": "d"}, "spec": {"scaleTargetRef": ref, "maxReplicas": 4}}
+    assert api.ok("POST", hpas, hpa)["kind"] == "HorizontalPodAutoscaler"
+    assert [o["metadata"]["name"] for o in api.ok("GET", hpas)["items"]] == ["d"]
+
+
 def test_stale_or_missing_resource_versions(api: Api) -> None:
     obj = api.ok("POST", IES, engine())
     api.ok("PATCH", f"{IES}/llama", {"metadata": {"labels": {"a": "b"}}})

@@ -92,8 +92,10 @@ def test_unschedulable_rank_reports_the_gpu_shortage(tmp_path):
             await c.apply(engine_manifest(ranks=1))
             await eventually(lambda: 0 in c.pods(), what="pod")
             await c.set_pod("llama-engine-0", NO_GPU)
+            # The pod is created before the first status is written: poll through "no status".
             await eventually(
-                lambda: c.status()["ranks"][0]["stage"] == "Scheduling", what="Scheduling"
+                lambda: (c.status().get("ranks") or [{}])[0].get("stage") == "Scheduling",
+                what="Scheduling",
             )
             assert "Insufficient nvidia.com/gpu" in c.status()["ranks"][0]["message"]
             progressing = c.condition("Progressing")

@@ -125,7 +125,7 @@ def test_ended_and_expired_watches_resume_without_duplicate_children(tmp_path, m
             posts = _requests(c, "POST", "/pods")
             assert posts == {"llama-engine-0": 1, "llama-engine-1": 2, "llama-engine-2": 1}
             services = _requests(c, "POST", "/services")
-            assert services == {"llama-coordinator": 1, "llama-engine": 1}
+            assert services == {"llama-coordinator": 1, "llama-coordinators": 1, "llama-engine": 1}
             assert _requests(c, "DELETE", "/pods") == {"llama-engine-1": 1}  # the test's own
 
     run(scenario(), timeout=120)

@@ -1,0 +1,118 @@
+"""The real operator against the emulator: several coordinators, their budget, discovery and HPA.
+
+The emulator runs no controllers: the test plays the HPA controller (it writes the Deployment's
+`/scale`, as the real one does) and checks what the operator leaves alone and what it changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from operator_harness import (
+    MERGE,
+    Cluster,
+    cluster,
+    engine_manifest,
+    eventually,
+    run,
+    running_operator,
+)
+
+DEPLOYS = "apps/v1/deployments"
+HPAS = "autoscaling/v2/horizontalpodautoscalers"
+DEPLOY_URL = "/apis/apps/v1/namespaces/default/deployments/llama-coordinator"
+
+
+def _get(c: Cluster, path: str, name: str) -> dict[str, Any] | None:
+    return c.emu.obj(path, "default", name)  # type: ignore[no-any-return]
+
+
+def _deployment(c: Cluster) -> dict[str, Any]:
+    found = _get(c, DEPLOYS, "llama-coordinator")
+    assert found is not None
+    return found
+
+
+def _args(c: Cluster) -> list[str]:
+    return list(_deployment(c)["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+def test_two_coordinators_with_a_budget_and_a_discovery_service(tmp_path):
+    async def scenario():
+        async with cluster(tmp_path / "kubeconfig") as c, running_operator():
+            await c.apply(engine_manifest(ranks=2, coordinator={"replicas": 2}))
+            await eventually(
+                lambda: _get(c, DEPLOYS, "llama-coordinator") and len(c.pods()) == 2,
+                what="coordinator Deployment and ranks",
+            )
+            spec = _deployment(c)["spec"]
+            assert spec["replicas"] == 2
+            assert spec["strategy"] == {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+            }
+            selector = spec["selector"]["matchLabels"]
+            budget = await eventually(
+                lambda: _get(c, "policy/v1/poddisruptionbudgets", "llama-coordinator"),
+                what="coordinator PDB",
+            )
+            assert budget["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": selector}}
+            peers = await eventually(
+                lambda: _get(c, "v1/services", "llama-coordinators"), what="discovery Service"
+            )
+            assert peers["spec"]["clusterIP"] == "None"
+            assert peers["spec"]["publishNotReadyAddresses"] is True
+            assert peers["spec"]["selector"] == selector
+            http = _get(c, "v1/services", "llama-coordinator")
+            assert http is not None and http["spec"]["publishNotReadyAddresses"] is False
+            for pod in c.pods().values():
+                args = pod["spec"]["containers"][0]["args"]
+                assert args[args.index("--coordinator") + 1] == "llama-coordinators:5570"
+
+            await c.patch_spec({"coordinator": {"replicas": 3}})
+            await eventually(lambda: _deployment(c)["spec"]["replicas"] == 3, what="3 replicas")
+
+    run(scenario())
+
+
+def test_an_hpa_owns_the_coordinator_count_until_autoscaling_is_removed(tmp_path):
+    async def scenario():
+        async with cluster(tmp_path / "kubeconfig") as c, running_operator():
+            coordinator = {
+                "autoscaling": {"minReplicas": 2, "maxReplicas": 5},
+                "resources": {"requests": {"cpu": "250m"}},
+            }
+            await c.apply(engine_manifest(ranks=1, coordinator=coordinator))
+            hpa = await eventually(lambda: _get(c, HPAS, "llama-coordinator"), what="the HPA")
+            assert hpa["spec"]["scaleTargetRef"] == {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "name": "llama-coordinator",
+            }
+            assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 5)
+            (metric,) = hpa["spec"]["metrics"]
+            assert metric["resource"]["target"] == {"type": "Utilization", "averageUtilization": 80}
+            assert hpa["metadata"]["ownerReferences"][0]["uid"] == c.engine()["metadata"]["uid"]
+
+            # The HPA controller scales the Deployment through its scale subresource.
+            await c.request("PATCH", f"{DEPLOY_URL}/scale", {"spec": {"replicas": 4}}, MERGE)
+            # A spec change that updates the Deployment (its args): the HPA's count stays.
+            await c.patch_spec({"coordinator": {"routing": "PrefixHash"}})
+            await eventually(lambda: "prefix-hash" in _args(c), what="Deployment updated")
+            assert _deployment(c)["spec"]["replicas"] == 4
+            # The timer and pod events reconcile again and again; none of them resets it.
+            generation = _deployment(c)["metadata"]["generation"]
+            await c.patch_spec({"coordinator": {"autoscaling": {"maxReplicas": 6}}})
+            await eventually(
+                lambda: _get(c, HPAS, "llama-coordinator")["spec"]["maxReplicas"] == 6,
+                what="HPA updated",
+            )
+            assert _deployment(c)["spec"]["replicas"] == 4
+            assert _deployment(c)["metadata"]["generation"] == generation  # not even patched
+
+            # Without autoscaling the spec's count is back, and the HPA goes.
+            await c.patch_spec({"coordinator": {"autoscaling": None, "replicas": 2}})
+            await eventually(lambda: _get(c, HPAS, "llama-coordinator") is None, what="HPA deleted")
+            await eventually(lambda: _deployment(c)["spec"]["replicas"] == 2, what="2 replicas")
+
+    run(scenario())
