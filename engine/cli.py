@@ -10,10 +10,11 @@ from collections.abc import Sequence
 
 from corefleet.engine import envs
 from corefleet.engine.config import CacheConfig
+from corefleet.engine.coordinator.routing import POLICY_NAMES
 from corefleet.engine.engine_args import add_engine_args, engine_kwargs_from_args
-from corefleet.engine.entrypoints.rank_cpus import add_rank_cpu_args, plan_from_args
+from corefleet.engine.entrypoints.rank_cpus import add_rank_cpu_args
 from corefleet.engine.messages import SamplingParams
-from corefleet.engine.openai.limits import add_limit_args, limits_from_args
+from corefleet.engine.openai.limits import add_limit_args
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def _http_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     g.add_argument(
         "--routing",
-        choices=["least-loaded", "prefix-aware", "round-robin"],
+        choices=POLICY_NAMES,
         default="least-loaded",
         help="how requests are spread over the ranks",
     )
@@ -112,6 +113,14 @@ def _serve_parsers(sub: argparse._SubParsersAction) -> None:
     )
     serve.add_argument(
         "--data-parallel-size", type=int, default=1, help="local engine ranks (default 1)"
+    )
+    serve.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="API processes sharing the HTTP port (vLLM's flag; 1-64, default 1). Above 1, "
+        "each is a whole coordinator that every rank joins; one that dies is restarted and "
+        "takes only its own streams with it",
     )
     serve.add_argument("--shutdown-mode", choices=["drain", "abort"], default="drain")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0)
@@ -156,7 +165,9 @@ def _engine_core_parser(sub: argparse._SubParsersAction) -> None:
     core.add_argument(
         "--coordinator",
         required=True,
-        help="HOST:PORT of the coordinator's handshake socket (or a tcp:// or ipc:// address)",
+        help="HOST:PORT of the coordinators' handshake socket (or a tcp:// or ipc:// address); "
+        "several comma-separated. The rank joins every coordinator: a name resolves to all its "
+        "addresses (a headless Service: one per coordinator pod), again every 2 s",
     )
     core.add_argument("--rank", type=int, default=0, help="this data-parallel rank (0-65535)")
     core.add_argument(
@@ -297,10 +308,11 @@ def _engine_core(args: argparse.Namespace) -> int:
     from corefleet.engine.engine_args import engine_config_from_args
     from corefleet.engine.engine_core.entry import run_engine_core
     from corefleet.engine.engine_core.proc_config import EngineProcConfig
-    from corefleet.engine.transport.sockets import handshake_address, load_curve_keys
+    from corefleet.engine.transport.discovery import parse_coordinators
+    from corefleet.engine.transport.sockets import load_curve_keys
 
     proc_config = EngineProcConfig(
-        handshake_address=handshake_address(args.coordinator),
+        handshake_address=",".join(parse_coordinators(args.coordinator)),
         rank=args.rank,
         shutdown_mode=args.shutdown_mode,
         shutdown_timeout_s=args.shutdown_timeout,
@@ -315,56 +327,9 @@ def _engine_core(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import asyncio
+    from corefleet.engine.entrypoints.serve_command import serve_command
 
-    from corefleet.engine.engine_args import engine_config_from_args
-    from corefleet.engine.entrypoints.coordinator import CoordinatorOptions, run
-    from corefleet.engine.entrypoints.local_ranks import LocalRanks
-
-    api_keys = tuple(args.api_key or ()) or envs.api_keys()
-    limits = limits_from_args(args)
-    if args.command == "coordinator":
-        options = CoordinatorOptions(
-            model=args.model,
-            served_model_name=args.served_model_name,
-            host=args.host or "0.0.0.0",
-            port=args.port,
-            advertise_host=args.advertise_host,
-            zmq_ports=(args.handshake_port, args.input_port, args.output_port),
-            routing=args.routing,
-            block_size=args.block_size,
-            api_keys=api_keys,
-            limits=limits,
-            max_migrations=args.max_migrations,
-            shutdown_timeout_s=args.shutdown_timeout,
-            curve_keys_dir=args.curve_keys_dir,
-        )
-        return asyncio.run(run(options))
-    config = engine_config_from_args(args)
-    if args.data_parallel_size < 1:
-        raise ValueError("--data-parallel-size must be at least 1")
-    options = CoordinatorOptions(
-        model=args.model,
-        served_model_name=args.served_model_name,
-        host=args.host or "127.0.0.1",
-        port=args.port,
-        bind_host="127.0.0.1",
-        zmq_ports=(0, 0, 0),
-        routing=args.routing,
-        block_size=config.cache.block_size,
-        api_keys=api_keys,
-        limits=limits,
-        max_migrations=args.max_migrations,
-        shutdown_timeout_s=args.shutdown_timeout,
-    )
-    ranks = LocalRanks(
-        config,
-        args.data_parallel_size,
-        args.shutdown_mode,
-        args.shutdown_timeout,
-        rank_cpus=plan_from_args(args),
-    )
-    return asyncio.run(run(options, ranks))
+    return serve_command(args)
 
 
 def _chat(args: argparse.Namespace) -> int:

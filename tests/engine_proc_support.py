@@ -141,13 +141,17 @@ def bare_engine(model: Path, *flags: str) -> Iterator[BareEngine]:
         ctx.term()
 
 
-def spawn_rank(model: Path, handshake_port: int, rank: int, *flags: str) -> subprocess.Popen[bytes]:
-    """``corefleet engine-core`` for ``rank``, dialling a coordinator on 127.0.0.1."""
+def spawn_rank(
+    model: Path, handshake: int | str, rank: int, *flags: str
+) -> subprocess.Popen[bytes]:
+    """``corefleet engine-core`` for ``rank``, dialling a coordinator's handshake port on
+    127.0.0.1, or ``--coordinator handshake`` when it is a string (a list, a name)."""
+    coordinator = handshake if isinstance(handshake, str) else f"127.0.0.1:{handshake}"
     argv = [
         sys.executable,
         *(["-P"] if sys.version_info >= (3, 11) else []),
         *("-m", "corefleet.engine.cli", "engine-core"),
-        *("--coordinator", f"127.0.0.1:{handshake_port}", "--rank", str(rank)),
+        *("--coordinator", coordinator, "--rank", str(rank)),
         *("--health-port", "0", "--shutdown-timeout", "30"),
         *flags,
         *engine_argv_from_config(tiny_config(model)),

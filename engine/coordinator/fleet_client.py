@@ -152,7 +152,12 @@ class FleetClient:
         request = self._continuation(state)
         while not state.finished:
             try:
-                rank = self.policy.choose(request.prompt_token_ids, self.loads(), state.excluded)
+                rank = self.policy.choose(
+                    request.prompt_token_ids,
+                    self.loads(),
+                    state.excluded,
+                    cache_salt=request.cache_salt,
+                )
             except NoRankAvailable as exc:
                 if time.monotonic() >= deadline:
                     self._fail(state, f"no engine rank can take the request: {exc}")

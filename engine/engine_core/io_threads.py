@@ -49,7 +49,7 @@ class EngineSignal(enum.Enum):
 
     EXECUTOR_FAILED = enum.auto()  # payload: the reason; the busy loop raises it (fatal)
     WAKEUP = enum.auto()  # payload: None; only unblocks a busy loop waiting for input
-    COORDINATOR_LOST = enum.auto()  # payload: None; the input connection dropped: handshake again
+    COORDINATOR_LOST = enum.auto()  # payload: the link's client index; its connection dropped
 
 
 # What the busy loop receives: (kind, payload); payload is a Request (ADD), a list of ids
@@ -64,12 +64,20 @@ _DECODE_ERRORS = (msgspec.MsgspecError, ValueError, TypeError)
 _POLL_MS = 100
 
 
+class OutputSink(Protocol):
+    """Where outputs go: a queue, or the router over a rank's coordinator links."""
+
+    def put_nowait(self, item: OutputItem) -> None: ...
+
+
 class InputSink(Protocol):
     """What the input thread needs from the engine."""
 
     input_queue: queue.SimpleQueue[InputItem]
     aborts_queue: queue.SimpleQueue[list[str]]
-    output_queue: queue.SimpleQueue[OutputItem]
+
+    @property
+    def output_queue(self) -> OutputSink: ...
 
     def preprocess_add_request(self, request: EngineCoreRequest) -> Request: ...
 
@@ -104,7 +112,11 @@ def _as_bytes(frame: zmq.Frame | bytes) -> bytes:
 
 
 class InputThread(threading.Thread):
-    """Connects the input DEALER, says ReadyResponse, then decodes requests into the queues."""
+    """Connects the input DEALER, says ReadyResponse, then decodes requests into the queues.
+
+    Every request and utility call gets ``client_index``, the index of this coordinator's
+    link, whatever its sender wrote there: outputs go back by it (``links.py``).
+    """
 
     def __init__(
         self,
@@ -114,9 +126,11 @@ class InputThread(threading.Thread):
         curve: CurveKeys | None,
         ready_response: ReadyResponse,
         engine: InputSink,
+        client_index: int = 0,
     ) -> None:
-        super().__init__(name="corefleet-input", daemon=True)
+        super().__init__(name=f"corefleet-input-{client_index}", daemon=True)
         self.ctx, self.address, self.identity, self.curve = ctx, address, identity, curve
+        self.client_index = client_index
         self.ready_response = ready_response
         self.engine = engine
         self.ready = threading.Event()
@@ -145,7 +159,8 @@ class InputThread(threading.Thread):
                     self.dispatch(sock.recv_multipart(copy=False))
                 if monitor in events:
                     zmq.utils.monitor.recv_monitor_message(monitor)
-                    self.engine.input_queue.put_nowait((EngineSignal.COORDINATOR_LOST, None))
+                    lost = (EngineSignal.COORDINATOR_LOST, self.client_index)
+                    self.engine.input_queue.put_nowait(lost)
         except Exception as exc:  # a bug here: the engine can no longer hear its clients
             logger.exception("the input thread failed")
             self.engine.input_queue.put_nowait(
@@ -171,6 +186,7 @@ class InputThread(threading.Thread):
                 self.engine.input_queue.put_nowait((RequestType.ABORT, ids))
             elif kind == RequestType.UTILITY.value:
                 call = self._utility_decoder.decode(payload)
+                call.client_index = self.client_index
                 self.engine.input_queue.put_nowait((RequestType.UTILITY, call))
             else:
                 self.drops.drop(f"unknown request type {kind[:4]!r}")
@@ -178,6 +194,7 @@ class InputThread(threading.Thread):
             self.drops.drop(f"undecodable {kind[:4]!r} message: {exc}")
 
     def _add(self, request: EngineCoreRequest) -> None:
+        request.client_index = self.client_index
         try:
             prepared = self.engine.preprocess_add_request(request)
         except Exception as exc:  # request-scoped: this request fails, the engine serves on

@@ -1,14 +1,14 @@
 """EngineCoreProc: an EngineCore in its own process, served over ZMQ.
 
-Three threads: the busy loop (this module) owns the engine; the input and output threads
-(``io_threads``) own the sockets. The busy loop blocks on the input queue only while idle, so an
-idle engine costs nothing and a busy one never waits on a socket.
+The busy loop (this module) owns the engine; per coordinator, an input and an output thread
+(``io_threads``, ``links``) own the sockets, and a joiner thread joins new coordinators. The
+busy loop blocks on the input queue only while idle, so an idle engine costs nothing and a busy
+one never waits on a socket.
 
 Shutdown (SIGTERM/SIGINT): the handler only records the request and wakes the loop. In ``drain``
 mode the engine reports ``draining`` at once, refuses new requests with finish reason
 ``rejected``, keeps stepping until idle or the timeout, then aborts the rest; in ``abort`` mode it
-finishes every request with ``abort`` at once. Then the process exits 0. A signal while the rank
-waits for INIT again (its coordinator went away) ends that wait at once. A dead parent
+finishes every request with ``abort`` at once. Then the process exits 0. A dead parent
 (``parent_watch``) shuts down as ``abort`` does, whatever the mode. A fatal error sends
 ``ENGINE_CORE_DEAD`` before the process exits non-zero.
 """
@@ -32,11 +32,9 @@ from corefleet.engine.engine_core.io_threads import (
     STATS_NOW,
     EngineSignal,
     InputItem,
-    InputThread,
-    OutputItem,
-    OutputThread,
     error_outputs,
 )
+from corefleet.engine.engine_core.links import CoordinatorLinks, Joiner, LinkSettings
 from corefleet.engine.engine_core.proc_config import EngineProcConfig
 from corefleet.engine.engine_core.startup import StartupClock
 from corefleet.engine.messages import (
@@ -45,19 +43,15 @@ from corefleet.engine.messages import (
     EngineCoreOutputs,
     EngineStats,
     FinishReason,
-    Init,
+    Refused,
     RequestType,
     UtilityCall,
     UtilityOutput,
 )
 from corefleet.engine.request import Request, RequestStatus
-from corefleet.engine.transport.handshake import (
-    HandshakeCancelled,
-    connect_handshake,
-    own_hello,
-    rank_identity,
-    send_ready,
-)
+from corefleet.engine.transport.dialer import HandshakeDialer, wait_for_first_init
+from corefleet.engine.transport.discovery import CoordinatorResolver
+from corefleet.engine.transport.handshake import own_hello
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +80,6 @@ class EngineCoreProc(EngineCore):
         self.health = health
         self.rank = proc_config.rank
         self.input_queue: queue.SimpleQueue[InputItem] = queue.SimpleQueue()
-        self.output_queue: queue.SimpleQueue[OutputItem] = queue.SimpleQueue()
         self.shutdown_state = ShutdownState.RUNNING
         self._force_abort = False
         self._exiting = False  # set by shutdown(): the last stats say the rank has left
@@ -94,47 +87,37 @@ class EngineCoreProc(EngineCore):
         self._wake = threading.Event()
         self.ctx: zmq.Context = zmq.Context()
 
-        self._hello = own_hello(self.rank, config.compute_hash(), proc_config.pod_name)
-        handshake, init = connect_handshake(
-            self.ctx, proc_config.handshake_address, self._hello, proc_config.curve
+        # One link per coordinator (``links.py``): the outputs go out through its router.
+        self.links = CoordinatorLinks(
+            self.ctx,
+            self,
+            LinkSettings(
+                self.rank,
+                proc_config.curve,
+                lambda: self.make_ready_response(self.rank),
+                self.make_engine_stats,
+                proc_config.stats_interval_s,
+            ),
         )
+        self.output_queue = self.links.router
+        resolver = CoordinatorResolver(proc_config.handshake_address)
+        hello = own_hello(self.rank, config.compute_hash(), proc_config.pod_name)
+        dialer = HandshakeDialer(self.ctx, hello, proc_config.curve)
+        first = wait_for_first_init(dialer, resolver.resolve)
         clock.phase("handshake")
         super().__init__(config, clock=clock)  # load the model, allocate the KV cache
         self.executor.register_failure_callback(self._on_executor_failure)
         self._waker = threading.Thread(target=self._forward_wakeups, name="corefleet-wake")
         self._waker.daemon = True
         self._waker.start()
-        self._start_io(handshake, init)
+        for reply in first:
+            assert reply.sock is not None and not isinstance(reply.message, Refused)
+            self.links.open(reply.address, reply.sock, reply.message)
+        # The HELLOs still pending and every coordinator found later: the joiner's.
+        self.joiner = Joiner(self.links, dialer, resolver, proc_config.coordinator_refresh_s)
+        self.joiner.start()
         clock.phase("ready")
         clock.report(self.rank)
-
-    def _start_io(self, handshake: zmq.Socket, init: Init) -> None:
-        """Connect the socket threads to the addresses INIT gave, then say READY."""
-        proc_config = self.proc_config
-        self.input_thread = InputThread(
-            self.ctx,
-            init.input_address,
-            rank_identity(self.rank),
-            proc_config.curve,
-            self.make_ready_response(self.rank),
-            self,
-        )
-        self.output_thread = OutputThread(
-            self.ctx,
-            init.output_address,
-            proc_config.curve,
-            self.output_queue,
-            self.make_engine_stats,
-            init.engine_index,
-            proc_config.stats_interval_s,
-        )
-        self.output_thread.start()
-        self.input_thread.start()
-        while not self.input_thread.ready.wait(1.0):
-            if not self.input_thread.is_alive():
-                raise RuntimeError("the input thread died before the engine was ready")
-        send_ready(handshake, self.rank)
-        logger.info("rank %d: ready, serving %s", self.rank, init.input_address)
 
     # ---- the busy loop ---------------------------------------------------------------------
 
@@ -182,8 +165,8 @@ class EngineCoreProc(EngineCore):
             self._call_utility(payload)
         elif kind is EngineSignal.EXECUTOR_FAILED:
             raise RuntimeError(payload or "the model executor failed")
-        elif kind is EngineSignal.COORDINATOR_LOST and self.shutdown_state is ShutdownState.RUNNING:
-            self._rehandshake()
+        elif kind is EngineSignal.COORDINATOR_LOST:
+            self._coordinator_lost(payload)
         # EngineSignal.WAKEUP: nothing to do; it only unblocked the loop.
 
     def _add(self, request: Request) -> None:
@@ -259,7 +242,7 @@ class EngineCoreProc(EngineCore):
         """Shut down now, aborting every request whatever the shutdown mode, even mid-drain
         (safe from any thread). For a dead parent: it was the client, nobody is left to serve."""
         self._force_abort = True
-        self.output_thread.abandoned = True  # nobody reads the outputs: close without flushing
+        self.links.abandon()  # nobody reads the outputs: close without flushing
         self.request_shutdown()
 
     def _handle_shutdown(self) -> bool:
@@ -313,36 +296,23 @@ class EngineCoreProc(EngineCore):
             message = EngineCoreOutputs(outputs=outputs, finished_requests=ids)
             self.output_queue.put_nowait((client_index, message))
 
-    def _rehandshake(self) -> None:
-        """The coordinator went away (a restart, a new pod): join it again, keeping the model.
-
-        Requests in flight are dropped here: their streams ended with the old connection, and
-        a coordinator that survived a mere network blip has already moved them elsewhere.
-        """
-        dropped = self.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+    def _coordinator_lost(self, index: int) -> None:
+        """A coordinator's connection dropped (it stopped, died or restarted): close its link
+        and drop the requests it sent; they ended with it, or it has moved them elsewhere.
+        The other coordinators' links serve on, and the joiner dials this one again."""
+        link = self.links.close(index)
+        if link is None:
+            return  # a second report of a link already closed
+        ids = [r.request_id for r in self.scheduler.requests.values() if r.client_index == index]
+        if ids:
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         logger.warning(
-            "rank %d: lost the coordinator; dropped %d request(s), handshaking again",
+            "rank %d: lost the coordinator at %s; dropped its %d request(s), joining it again",
             self.rank,
-            len(dropped),
+            link.address,
+            len(ids),
         )
-        self.input_thread.stop_event.set()
-        self.output_thread.abandoned = True
-        self.output_queue.put_nowait(None)
-        self.input_thread.join(timeout=2.0)
-        self.output_thread.join(timeout=5.0)
-        try:
-            handshake, init = connect_handshake(
-                self.ctx,
-                self.proc_config.handshake_address,
-                self._hello,
-                self.proc_config.curve,
-                # A signal (or the parent's death) only sets the shutdown state: it must end
-                # this wait too, or the rank would ignore SIGTERM until INIT or the timeout.
-                should_stop=lambda: self.shutdown_state is not ShutdownState.RUNNING,
-            )
-        except HandshakeCancelled:
-            return  # with no requests left, the busy loop exits at its next check
-        self._start_io(handshake, init)
+        self.joiner.wake()
 
     def _on_executor_failure(self) -> None:
         self.input_queue.put_nowait((EngineSignal.EXECUTOR_FAILED, "the model executor failed"))
@@ -350,24 +320,22 @@ class EngineCoreProc(EngineCore):
     def send_engine_dead(self) -> None:
         """Tell the client this engine is dead (after a fatal error), waiting up to 5 s."""
         self.output_queue.put_nowait(ENGINE_CORE_DEAD)
-        self.output_thread.join(timeout=5.0)
-        if self.output_thread.is_alive():
+        if not self.links.join_output_threads(5.0):
             logger.critical("rank %d: could not send ENGINE_CORE_DEAD within 5 s", self.rank)
 
     def shutdown(self) -> None:
         """Stop the socket threads (outputs already queued are sent first), then the executor."""
         self.complete_idle_waiters()
-        self.input_thread.stop_event.set()
+        self.joiner.stop_event.set()  # no new link from now on
+        self.joiner.join(timeout=2.0)
         self._exiting = True
         self.output_queue.put_nowait(STATS_NOW)  # "I have left": no wait for a heartbeat timeout
-        self.output_queue.put_nowait(None)
-        self.input_thread.join(timeout=2.0)
-        self.output_thread.join(timeout=5.0)
+        stopped = self.links.stop()
         super().shutdown()
-        if self.input_thread.is_alive() or self.output_thread.is_alive():
-            self.ctx.destroy(linger=0)
-        else:
+        if stopped and not self.joiner.is_alive():
             self.ctx.term()
+        else:
+            self.ctx.destroy(linger=0)
 
 
 def _reply_when_done(done: Future[Any], method: str, reply: Any) -> None:

@@ -14,6 +14,11 @@ ShutdownMode = Literal["drain", "abort"]
 class EngineProcConfig:
     """How one engine process reaches its server and how it shuts down.
 
+    ``handshake_address`` is ``--coordinator``: one coordinator's handshake address, or
+    several separated by commas; host names resolve to all their addresses, and the rank joins
+    every coordinator it finds, resolving again every ``coordinator_refresh_s``
+    (``transport/discovery.py``).
+
     ``parent_pid`` and ``parent_fd`` name a local parent (``corefleet serve``, a multiprocess
     client): when it dies the rank aborts and exits (``engine_core/parent_watch.py``).
     """
@@ -27,6 +32,7 @@ class EngineProcConfig:
     parent_pid: int | None = None  # abort and exit when this process stops being our parent
     parent_fd: int | None = None  # read end of a pipe only the parent writes to: EOF = it died
     stats_interval_s: float = 0.5
+    coordinator_refresh_s: float = 2.0
     health_host: str = "0.0.0.0"
     health_port: int = 0  # 0: no health endpoints (a rank pod uses 8001)
 
@@ -35,6 +41,8 @@ class EngineProcConfig:
             raise ValueError(f"rank {self.rank} must be in [0, 65535]")
         if self.shutdown_mode not in ("drain", "abort"):
             raise ValueError(f"shutdown mode {self.shutdown_mode!r} must be drain or abort")
+        if not self.coordinator_refresh_s > 0:
+            raise ValueError("the coordinator refresh interval must be > 0 seconds")
         if self.shutdown_timeout_s < 0:
             raise ValueError("the shutdown timeout must be >= 0 seconds")
         if self.parent_fd is not None and self.parent_fd < 0:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
+import time
 from dataclasses import dataclass, field
 
 from corefleet.engine import envs
@@ -32,6 +34,8 @@ from corefleet.engine.openai.metrics import ServingMetrics
 from corefleet.engine.transport.sockets import load_curve_keys
 
 logger = logging.getLogger(__name__)
+
+SHARED_SOCKET_WAIT_S = 30.0  # how long a process on a shared socket waits for a rank
 
 
 @dataclass(frozen=True)
@@ -63,8 +67,20 @@ def advertised_host(options: CoordinatorOptions) -> str:
     return envs.pod_ip() or socket.gethostbyname(socket.gethostname())
 
 
-async def run(options: CoordinatorOptions, local_ranks: LocalRanks | None = None) -> int:
-    """Serve until a signal; returns the exit code."""
+async def run(
+    options: CoordinatorOptions,
+    local_ranks: LocalRanks | None = None,
+    *,
+    listen_fd: int | None = None,
+    parent_fd: int | None = None,
+) -> int:
+    """Serve until a signal; returns the exit code.
+
+    ``listen_fd``: serve HTTP on this inherited listening socket instead of binding
+    ``options.host:port`` (the API processes of ``serve --api-server-count``, which share it).
+    ``parent_fd``: the read end of a pipe the parent holds open; its end of file (the parent
+    died) stops this process at once.
+    """
     model_path = resolve_model_path(options.model)
     tokenizer = Tokenizer.from_model_path(model_path)
     release_gguf_reader()  # the coordinator needs nothing more from a GGUF file
@@ -96,7 +112,14 @@ async def run(options: CoordinatorOptions, local_ranks: LocalRanks | None = None
             local_ranks.start(fleet.server.ports[0])
             supervisor = asyncio.create_task(_supervise(local_ranks, fleet, state))
         logger.info("serving %s on http://%s:%d", model_name, options.host, options.port)
-        await ApiServer(config, state).serve()
+        server = ApiServer(config, state)
+        if parent_fd is not None:
+            _exit_with_parent(parent_fd, server)
+        sockets = None
+        if listen_fd is not None:
+            sockets = [socket.socket(fileno=listen_fd)]
+            await _until_a_rank_joins(fleet, SHARED_SOCKET_WAIT_S)
+        await server.serve(sockets=sockets)
     finally:
         if supervisor is not None:
             supervisor.cancel()  # no restarts while the ranks are being stopped
@@ -105,6 +128,34 @@ async def run(options: CoordinatorOptions, local_ranks: LocalRanks | None = None
             await asyncio.to_thread(local_ranks.stop)
         await fleet.close()
     return 0
+
+
+async def _until_a_rank_joins(fleet: FleetClient, timeout_s: float) -> None:
+    """Wait (up to ``timeout_s``) for a rank to be ready before accepting on a shared socket.
+
+    The other processes on the socket may serve already: a connection this process accepted
+    before any rank joined it would get a 503 its neighbours would not have given (a restarted
+    API process is joined by the ranks within a second or two).
+    """
+    deadline = time.monotonic() + timeout_s
+    while not fleet.membership.accepting() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
+def _exit_with_parent(parent_fd: int, server: ApiServer) -> None:
+    """Stop at once when ``parent_fd`` reaches end of file: the parent that started this
+    process died, and the ranks (its children too) are going with it."""
+    loop = asyncio.get_running_loop()
+
+    def on_readable() -> None:
+        if os.read(parent_fd, 1):
+            return  # nobody writes to it; a byte would be a bug, not a death
+        loop.remove_reader(parent_fd)
+        logger.warning("the parent process died; exiting")
+        server.state.shutting_down = True
+        server.should_exit = server.force_exit = True
+
+    loop.add_reader(parent_fd, on_readable)
 
 
 async def _supervise(ranks: LocalRanks, fleet: FleetClient, state: ServerState) -> None:

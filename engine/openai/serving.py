@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -48,6 +49,9 @@ class Generation:
     """Runs one user request (its prompts × ``n`` samples) and yields deltas."""
 
     _ids = itertools.count()
+    # Several coordinators send requests to the same ranks, and a rank refuses an id it holds
+    # already: each process numbers its requests under a random prefix of its own.
+    _id_prefix = secrets.token_hex(8)
 
     def __init__(
         self,
@@ -158,4 +162,5 @@ class Generation:
 
     @classmethod
     def new_id(cls) -> str:
-        return f"req-{next(cls._ids)}"
+        """An engine request id no other coordinator process uses."""
+        return f"req-{cls._id_prefix}-{next(cls._ids)}"

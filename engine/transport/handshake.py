@@ -8,7 +8,8 @@
       READY                             ->
 
 There is no start-up deadline on the server: loading can take many minutes. Instead the server
-watches the rank's process and fails at once, with the exit code, if it dies.
+watches the rank's process and fails at once, with the exit code, if it dies. A rank says HELLO
+to every coordinator it finds (``dialer.py``); each runs this exchange with it on its own.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -34,7 +34,6 @@ from corefleet.engine.messages import (
     ReadyResponse,
     Refused,
 )
-from corefleet.engine.transport.sockets import CurveKeys, make_socket
 
 logger = logging.getLogger(__name__)
 
@@ -44,17 +43,10 @@ _ready_decoder = msgspec.msgpack.Decoder(ReadyResponse)
 
 INIT_TIMEOUT_S = 300.0  # a rank gives up if nobody answers its HELLO for this long
 PROGRESS_LOG_INTERVAL_S = 10.0
-# How long a rank waits on the socket between checks of ``should_stop``: it bounds how late a
-# SIGTERM or a parent's death is noticed while the rank waits for INIT.
-_WAIT_POLL_MS = 100
 
 
 class EngineStartupError(RuntimeError):
     """A rank could not start: it died, or it was refused. The message names rank and cause."""
-
-
-class HandshakeCancelled(Exception):
-    """``connect_handshake`` stopped waiting for INIT because its ``should_stop`` said so."""
 
 
 def rank_identity(rank: int) -> bytes:
@@ -63,97 +55,11 @@ def rank_identity(rank: int) -> bytes:
 
 
 # ------------------------------------------------------------------------------ rank side
-
-
-def connect_handshake(
-    ctx: zmq.Context,
-    address: str,
-    hello: Hello,
-    curve: CurveKeys | None,
-    timeout_s: float = INIT_TIMEOUT_S,
-    should_stop: Callable[[], bool] | None = None,
-) -> tuple[zmq.Socket, Init]:
-    """Send HELLO and wait for INIT; returns the socket (for READY) and the addresses.
-
-    ``should_stop`` is asked every 100 ms while waiting; once it returns True the wait ends with
-    :class:`HandshakeCancelled` (the socket closed). EngineStartupError: refused, or no INIT
-    within ``timeout_s``.
-    """
-    sock = make_socket(
-        ctx,
-        zmq.DEALER,
-        address,
-        bind=False,
-        identity=rank_identity(hello.rank),
-        curve=curve,
-        linger_ms=5000,
-    )
-    # Failed security handshakes are otherwise silent (ZMQ just retries): watch for them.
-    monitor = sock.get_monitor_socket(_HANDSHAKE_FAILURES)
-    sock.send(_encoder.encode(hello))
-    logger.info("rank %d: HELLO sent to %s, waiting for INIT", hello.rank, address)
-    try:
-        _wait_for_reply(sock, monitor, address, hello.rank, timeout_s, should_stop)
-    except BaseException:
-        sock.disable_monitor()
-        monitor.close(linger=0)
-        sock.close(linger=0)
-        raise
-    sock.disable_monitor()
-    monitor.close(linger=0)
-    message = _handshake_decoder.decode(sock.recv())
-    if isinstance(message, Refused):
-        sock.close()
-        raise EngineStartupError(f"rank {hello.rank} refused by {address}: {message.reason}")
-    if not isinstance(message, Init):
-        sock.close()
-        raise EngineStartupError(f"rank {hello.rank}: expected INIT, got {message!r}")
-    return sock, message
-
-
-_HANDSHAKE_FAILURES = (
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
-
-
-def _wait_for_reply(
-    sock: zmq.Socket,
-    monitor: zmq.Socket,
-    address: str,
-    rank: int,
-    timeout_s: float,
-    should_stop: Callable[[], bool] | None,
-) -> None:
-    started = last_log = time.monotonic()
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    poller.register(monitor, zmq.POLLIN)
-    while True:
-        if should_stop is not None and should_stop():
-            raise HandshakeCancelled(f"rank {rank}: stopped waiting for INIT from {address}")
-        events = dict(poller.poll(_WAIT_POLL_MS))
-        if sock in events:
-            return
-        if monitor in events:
-            event = zmq.utils.monitor.recv_monitor_message(monitor)
-            logger.error(
-                "rank %d: security handshake with %s failed (%s): check the CURVE keys "
-                "(COREFLEET_CURVE_* or --curve-keys-dir) on both sides",
-                rank,
-                address,
-                zmq.Event(event["event"]).name,
-            )
-        now = time.monotonic()
-        if now - started > timeout_s:
-            raise EngineStartupError(f"rank {rank}: no INIT from {address} in {timeout_s} s")
-        if now - last_log >= PROGRESS_LOG_INTERVAL_S:
-            logger.info("rank %d: still waiting for INIT from %s", rank, address)
-            last_log = now
+# (HELLO and INIT: ``dialer.py``)
 
 
 def send_ready(sock: zmq.Socket, rank: int) -> None:
+    """Say READY on the socket that carried HELLO, and close it (it lingers until sent)."""
     sock.send(_encoder.encode(Ready(rank=rank)))
     sock.close()
 

@@ -54,9 +54,9 @@ def ctx() -> Iterator[zmq.Context]:
     context.destroy(linger=0)
 
 
-def _input_thread(ctx: zmq.Context, sink: Sink) -> InputThread:
+def _input_thread(ctx: zmq.Context, sink: Sink, client_index: int = 0) -> InputThread:
     ready = ReadyResponse(0, 256, 10, 16, 144, 320, "m")
-    return InputThread(ctx, "tcp://127.0.0.1:1", b"\x00\x00", None, ready, sink)
+    return InputThread(ctx, "tcp://127.0.0.1:1", b"\x00\x00", None, ready, sink, client_index)
 
 
 def test_input_thread_routes_each_request_type(ctx: zmq.Context) -> None:
@@ -93,8 +93,8 @@ def test_input_thread_drops_malformed_frames_and_internal_types(ctx: zmq.Context
 
 def test_input_thread_fails_a_bad_add_alone(ctx: zmq.Context) -> None:
     sink, encode = Sink(), MsgpackEncoder().encode
-    thread = _input_thread(ctx, sink)
-    bad = EngineCoreRequest("bad", [0, 5], SamplingParams(), client_index=3)
+    thread = _input_thread(ctx, sink, client_index=3)  # the error goes back on link 3
+    bad = EngineCoreRequest("bad", [0, 5], SamplingParams())
     thread.dispatch([RequestType.ADD.value, *encode(bad)])
     ((client_index, outputs),) = _drain(sink.output_queue)
     assert client_index == 3

@@ -1,0 +1,72 @@
+"""``corefleet serve`` and ``corefleet coordinator`` from their parsed command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from corefleet.engine import envs
+from corefleet.engine.engine_args import engine_config_from_args
+from corefleet.engine.entrypoints.coordinator import CoordinatorOptions, run
+from corefleet.engine.entrypoints.local_ranks import LocalRanks
+from corefleet.engine.entrypoints.rank_cpus import plan_from_args
+from corefleet.engine.openai.limits import limits_from_args
+
+MAX_API_SERVERS = 64  # each is a process of a few hundred MB; more is a typo, not a plan
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """Run ``serve`` or ``coordinator`` until a signal; returns the exit code. ValueError: a
+    bad combination of flags."""
+    api_keys = tuple(args.api_key or ()) or envs.api_keys()
+    limits = limits_from_args(args)
+    if args.command == "coordinator":
+        options = CoordinatorOptions(
+            model=args.model,
+            served_model_name=args.served_model_name,
+            host=args.host or "0.0.0.0",
+            port=args.port,
+            advertise_host=args.advertise_host,
+            zmq_ports=(args.handshake_port, args.input_port, args.output_port),
+            routing=args.routing,
+            block_size=args.block_size,
+            api_keys=api_keys,
+            limits=limits,
+            max_migrations=args.max_migrations,
+            shutdown_timeout_s=args.shutdown_timeout,
+            curve_keys_dir=args.curve_keys_dir,
+        )
+        return asyncio.run(run(options))
+    config = engine_config_from_args(args)
+    if args.data_parallel_size < 1:
+        raise ValueError("--data-parallel-size must be at least 1")
+    if not 1 <= args.api_server_count <= MAX_API_SERVERS:
+        raise ValueError(
+            f"--api-server-count {args.api_server_count} must be between 1 and {MAX_API_SERVERS}"
+        )
+    options = CoordinatorOptions(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        host=args.host or "127.0.0.1",
+        port=args.port,
+        bind_host="127.0.0.1",
+        zmq_ports=(0, 0, 0),
+        routing=args.routing,
+        block_size=config.cache.block_size,
+        api_keys=api_keys,
+        limits=limits,
+        max_migrations=args.max_migrations,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+    ranks = LocalRanks(
+        config,
+        args.data_parallel_size,
+        args.shutdown_mode,
+        args.shutdown_timeout,
+        rank_cpus=plan_from_args(args),
+    )
+    if args.api_server_count == 1:
+        return asyncio.run(run(options, ranks))  # one process serves and supervises the ranks
+    from corefleet.engine.entrypoints.api_servers import LocalApiServers, run_supervisor
+
+    return asyncio.run(run_supervisor(LocalApiServers(options, args.api_server_count), ranks))
