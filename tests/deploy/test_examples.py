@@ -277,6 +277,33 @@ def test_engine_api_key_secret_is_defined_or_its_creation_explained(
     assert ref.name in secrets or create in text, f"{file}: say how to create Secret {ref.name}"
 
 
+def test_readme_coordinator_autoscaling_block_applies_to_the_gpu_example() -> None:
+    # The README's block, put into llama-gpu.yaml in place of replicas as it says: the CRD
+    # accepts it, and the HPA and the Deployment the operator builds are valid Kubernetes.
+    readme = (EXAMPLES / "README.md").read_text()
+    section = readme.split("## Several coordinators", 1)[1]
+    (block,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    coordinator = yaml.safe_load(block)["spec"]["coordinator"]
+    engine = yaml.safe_load(yaml.safe_dump(ENGINES["llama"]))
+    del engine["spec"]["coordinator"]["replicas"]
+    engine["spec"]["coordinator"].update(coordinator)
+    assert engine_errors(engine) == []
+    owner = Owner(name=_name(engine), namespace="default", uid="0b1c2d3e-uid")
+    children = {c["kind"]: c for c in resources.build_children(owner, parsed(engine))}
+    hpa = children["HorizontalPodAutoscaler"]
+    assert k8s_errors(hpa) == [] and k8s_errors(children["Deployment"]) == []
+    assert hpa["spec"]["scaleTargetRef"]["name"] == children["Deployment"]["metadata"]["name"]
+    assert "replicas" not in children["Deployment"]["spec"]
+    # Utilization is relative to the request: the block must set one.
+    container = children["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["requests"]["cpu"]
+
+
+def test_the_gpu_example_runs_several_coordinators_and_the_cpu_example_one() -> None:
+    assert parsed(ENGINES["llama"]).coordinator.replicas == 2
+    assert parsed(ENGINES["smollm2"]).coordinator.replicas == 1
+
+
 # -- autoscalers -----------------------------------------------------------------------------
 
 
@@ -304,6 +331,7 @@ def test_adapter_rule_renames_the_waiting_gauge_to_a_legal_name() -> None:
     (rule,) = [r for r in adapter_rules() if WAITING in r["seriesQuery"]]
     assert rule["resources"]["overrides"]["service"] == {"resource": "service"}
     assert "<<.LabelMatchers>>" in rule["metricsQuery"]
+    assert rule["metricsQuery"].startswith("max(")  # one figure however many coordinators
 
 
 @pytest.mark.parametrize("doc", _params(SCALED_OBJECT))
@@ -315,7 +343,8 @@ def test_keda_scales_an_example_engine_on_the_waiting_queue(doc: Mapping[str, An
     (trigger,) = [t for t in spec["triggers"] if t["type"] == "prometheus"]
     meta = trigger["metadata"]
     assert re.match(r"https?://", meta["serverAddress"])
-    assert meta["query"].startswith(f"sum({WAITING}{{")
+    # max: every coordinator reports the same ranks' queues; a sum counts them once per pod.
+    assert meta["query"].startswith(f"max({WAITING}{{")
     assert f'service="{coordinator_name(_name(engine))}"' in meta["query"]
     assert float(meta["threshold"]) > 0
     assert_slow_scale_down(spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"], engine)
@@ -337,11 +366,22 @@ def test_service_monitor_selects_a_coordinator_service_by_its_labels(
     labels = doc["spec"]["selector"]["matchLabels"]
     engine = ENGINES[labels["corefleet.dev/engine"]]
     owner = Owner(name=_name(engine), namespace="default", uid="0b1c2d3e-uid")
-    service = resources.build_coordinator_service(owner, parsed(engine))
-    assert labels.items() <= service["metadata"]["labels"].items()
-    ports = {p["name"] for p in service["spec"]["ports"]}
+    services = [
+        c
+        for c in resources.build_children(owner, parsed(engine))
+        if c["kind"] == "Service" and labels.items() <= c["metadata"]["labels"].items()
+    ]
     for endpoint in doc["spec"]["endpoints"]:
-        assert endpoint["port"] in ports and endpoint["path"] == "/metrics"
+        assert endpoint["path"] == "/metrics"
+        # The labels also select the headless NAME-coordinators, whose only port is the ranks'
+        # handshake: exactly one Service, the API's, has the port Prometheus scrapes, so each
+        # coordinator pod is scraped once.
+        scraped = [
+            s["metadata"]["name"]
+            for s in services
+            if endpoint["port"] in {p["name"] for p in s["spec"]["ports"]}
+        ]
+        assert scraped == [coordinator_name(_name(engine))]
 
 
 # -- GitOps ----------------------------------------------------------------------------------
