@@ -4,9 +4,12 @@ One `PodNetwork` per harness owns a Linux bridge with a /24 (the bridge holds th
 so the node — this machine's root namespace — reaches every pod, as a real node does); each
 `Sandbox` is one pod's namespace with `eth0` (one end of a veth pair whose other end sits on the
 bridge), `lo`, a default route through the gateway, and the two files `ip netns exec` mounts
-over the container's `/etc`: `hosts` (Service DNS, rewritten as pods come and go) and
+over the container's `/etc`: `hosts` (Service DNS, rewritten as pods come and go),
 `resolv.conf` (no reachable DNS server, so a name missing from `hosts` fails at once instead of
-waiting for a timeout).
+waiting for a timeout) and `host.conf` with `multi on`: without it glibc answers a name from
+`hosts` with its first line only, where cluster DNS answers a headless Service's name with every
+pod address (`ip netns exec` binds it only over an /etc/host.conf the node has; Debian's does,
+and also says `multi on`).
 
 Containers start as `ip netns exec NS sh -c SCRIPT sh ARGV...`: `ip netns exec` enters the
 namespace and a private mount namespace, the script makes the container's mounts there (image
@@ -225,6 +228,8 @@ class PodNetwork:
             f"nameserver 127.0.0.1\nsearch {' '.join(search)}\noptions timeout:1 attempts:1\n"
         )
         (box.etc / "hostname").write_text(hostname + "\n")
+        if pathlib.Path("/etc/host.conf").exists():
+            (box.etc / "host.conf").write_text("multi on\n")
         _ip("netns", "add", box.netns)
         _ip("link", "add", box.veth, "type", "veth", "peer", "name", "eth0", "netns", box.netns)
         _ip("link", "set", box.veth, "master", self.bridge, "up")

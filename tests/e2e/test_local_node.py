@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shlex
 import subprocess
 import time
 from collections.abc import Iterator
@@ -95,6 +96,45 @@ def test_pods_get_own_addresses_and_find_services_by_name(node: LocalCluster) ->
     assert len(namespaces) == 2 and all(
         n.startswith(node.kubelet.network.prefix) for n in namespaces
     )  # type: ignore[union-attr]
+
+
+def test_a_headless_service_name_resolves_to_every_pod_it_publishes(node: LocalCluster) -> None:
+    # As cluster DNS does: a headless Service's name answers with every Ready pod's address, or
+    # with every pod's under publishNotReadyAddresses (the operator's NAME-coordinators).
+    # Nothing listens on port 9: the probe never passes.
+    never_ready = {"readinessProbe": {"httpGet": {"path": "/", "port": 9}, "periodSeconds": 1}}
+    for name, extra in (("ready", {}), ("loading", never_ready)):
+        pod = _pod(name, "exec sleep 600", labels={"app": "peer"}, container=extra)
+        node.api.request("POST", PODS, pod, expect=201)
+    for name, all_pods in (("all-peers", True), ("ready-peers", False)):
+        spec = {"clusterIP": "None", "selector": {"app": "peer"}, "ports": [{"port": 5570}]}
+        service = {
+            "metadata": {"name": name},
+            "spec": {**spec, "publishNotReadyAddresses": all_pods},
+        }
+        node.api.request("POST", "/api/v1/namespaces/default/services", service, expect=201)
+    # getaddrinfo, as a rank resolves --coordinator; printed until the test has what it needs.
+    resolve = (
+        "import socket, time\n"
+        "def ips(n):\n"
+        "    try: return sorted({a[4][0] for a in socket.getaddrinfo(n, 5570)})\n"
+        "    except OSError: return []\n"
+        "while True:\n"
+        "    print('all', ips('all-peers'), 'ready', ips('ready-peers'), flush=True)\n"
+        "    time.sleep(0.2)\n"
+    )
+    node.api.request(
+        "POST", PODS, _pod("client", f"exec python3 -c {shlex.quote(resolve)}"), expect=201
+    )
+    wait_for(
+        lambda: _status(node, "ready").get("podIP") and _status(node, "loading").get("podIP"),
+        30,
+        "IPs",
+    )
+    both = sorted([_status(node, "ready")["podIP"], _status(node, "loading")["podIP"]])
+    want = f"all {both} ready {[_status(node, 'ready')['podIP']]}"
+    assert node.kubelet is not None
+    wait_for(lambda: want in node.kubelet.log("default", "client"), 30, want)  # type: ignore[union-attr]
 
 
 def test_a_crashing_container_restarts_then_backs_off(node: LocalCluster) -> None:
