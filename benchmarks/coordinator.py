@@ -14,7 +14,10 @@ Per run, alternating, each on its own free port:
 - **coordinator, short completions**: ``corefleet serve --data-parallel-size 2`` with the null
   executor, ``max_tokens: 4``, not streamed (the trivial endpoint's load, same connections);
 - **coordinator, SSE**: streamed completions of ``--sse-tokens`` tokens; the figure is data
-  events (one token each) per second across all streams.
+  events (one token each) per second across all streams;
+- with ``--api-server-counts 1,2``: the same two loads through ``serve --api-server-count N``
+  for each N (N coordinator processes on one port, every rank joined to each), CPU summed over
+  the API processes.
 
 The load is ``benchmarks/http_load.py`` (raw keep-alive sockets, ``--load-processes`` worker
 processes), the same for every server. The coordinator's CPU (its process alone, ranks apart) is
@@ -109,9 +112,25 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of ``pid``, plus its API-process children (``--api-server-count``)."""
+    pids = [pid, *api_children(pid)]
+    total = 0
+    for one in pids:
+        with open(f"/proc/{one}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def api_children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    found = []
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"entrypoints.api_servers" in f.read():
+                found.append(child)
+    return found
 
 
 def measured(pid: int, load: Any) -> tuple[LoadResult, float]:
@@ -139,27 +158,38 @@ def one_run(args: argparse.Namespace) -> dict[str, float]:
         row["trivial failed"] = result.failed
     finally:
         stop(trivial)
+    for count in args.api_server_counts:
+        row |= coordinator_figures(args, count, short, row["trivial req/s"])
+    return row
 
+
+def coordinator_figures(
+    args: argparse.Namespace, count: int, short: dict[str, Any], trivial: float
+) -> dict[str, float]:
+    """Short completions and SSE through ``serve --api-server-count count``."""
+    name = "coordinator" if count == 1 else f"{count} coordinators"
+    row: dict[str, float] = {}
     port = free_port()
     argv = [sys.executable, "-m", "corefleet.engine.cli", "serve", "--host", "127.0.0.1"]
     argv += ["--port", str(port), "--served-model-name", MODEL_NAME]
+    argv += ["--api-server-count", str(count)]
     argv += ["--data-parallel-size", str(args.ranks), "--distributed-executor-backend"]
     argv += [NULL_EXECUTOR, *args.corefleet_args.split()]
     server = start(argv, port)
     try:
+        if count > 1:  # every API process must have a rank before the load starts
+            time.sleep(5.0)
         url = f"http://127.0.0.1:{port}/v1/completions"
         result, cpu = measured(
             server.pid,
             lambda: run_load(url, short, args.connections, args.duration, args.load_processes),
         )
-        row["coordinator req/s"] = result.requests_per_s
-        row["coordinator p50 ms"] = result.p50_ms
-        row["coordinator cores"] = cpu / args.duration
-        row["coordinator CPU ms/request"] = (
-            cpu * 1000 / max(1, result.requests_per_s * args.duration)
-        )
-        row["coordinator failed"] = result.failed
-        row["ratio"] = row["coordinator req/s"] / row["trivial req/s"]
+        row[f"{name} req/s"] = result.requests_per_s
+        row[f"{name} p50 ms"] = result.p50_ms
+        row[f"{name} cores"] = cpu / args.duration
+        row[f"{name} CPU ms/request"] = cpu * 1000 / max(1, result.requests_per_s * args.duration)
+        row[f"{name} failed"] = result.failed
+        row[f"{name} ratio"] = result.requests_per_s / trivial
         # skip_special_tokens false: the null executor's token is a special one, and each
         # must show as text to make its own chunk.
         sse = {**short, "max_tokens": args.sse_tokens, "stream": True}
@@ -168,12 +198,10 @@ def one_run(args: argparse.Namespace) -> dict[str, float]:
             server.pid,
             lambda: run_load(url, sse, args.sse_streams, args.duration, args.load_processes),
         )
-        row["SSE tokens/s"] = result.events_per_s
-        row["SSE coordinator cores"] = cpu / args.duration
-        row["SSE coordinator CPU us/token"] = (
-            cpu * 1e6 / max(1, result.events_per_s * args.duration)
-        )
-        row["SSE failed"] = result.failed
+        row[f"{name} SSE tokens/s"] = result.events_per_s
+        row[f"{name} SSE cores"] = cpu / args.duration
+        row[f"{name} SSE CPU us/token"] = cpu * 1e6 / max(1, result.events_per_s * args.duration)
+        row[f"{name} SSE failed"] = result.failed
     finally:
         stop(server)
     return row
@@ -191,6 +219,12 @@ def main() -> None:
     parser.add_argument("--sse-streams", type=int, default=32)
     parser.add_argument("--sse-tokens", type=int, default=256)
     parser.add_argument("--corefleet-args", default="", help="extra `corefleet serve` flags")
+    parser.add_argument(
+        "--api-server-counts",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[1],
+        help="measure `serve --api-server-count N` for each N (e.g. 1,2)",
+    )
     parser.add_argument("--json", help="write every run's figures here")
     parser.add_argument("--trivial-server", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
