@@ -3,6 +3,7 @@ same rank; SIGKILL of one ends its own streams at once and leaves the other serv
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import http.client
 import json
@@ -34,17 +35,22 @@ def _children(pid: int) -> list[int]:
         return [int(p) for p in f.read().split()]
 
 
-def _api_pids(serve_pid: int) -> set[int]:
-    """The API processes among ``serve``'s children (the ranks run ``engine-core``)."""
+def _children_running(serve_pid: int, *words: bytes) -> set[int]:
+    """``serve``'s children whose command line holds ``words``, in order."""
     found = set()
     for child in _children(serve_pid):
         try:
             with open(f"/proc/{child}/cmdline", "rb") as f:
-                if b"corefleet.engine.entrypoints.api_servers" in f.read():
+                if b"\0".join(words) in f.read():
                     found.add(child)
         except FileNotFoundError:
             continue
     return found
+
+
+def _api_pids(serve_pid: int) -> set[int]:
+    """The API processes among ``serve``'s children (the ranks run ``engine-core``)."""
+    return _children_running(serve_pid, b"corefleet.engine.entrypoints.api_servers")
 
 
 def _socket_inodes(pid: int) -> set[str]:
@@ -127,6 +133,12 @@ def _stream(conn: http.client.HTTPConnection, max_tokens: int) -> Iterator[dict 
         yield json.loads(line[len("data: ") :])
 
 
+def _get_json(conn: http.client.HTTPConnection, path: str) -> object:
+    conn.request("GET", path)
+    response = conn.getresponse()
+    return json.loads(response.read())
+
+
 def _complete(conn: http.client.HTTPConnection) -> int:
     body = json.dumps({"prompt": "hi", "max_tokens": 3, "ignore_eos": True})
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
@@ -199,6 +211,87 @@ def test_two_api_processes_share_the_port_and_survive_each_other(tmp_path: Path)
     finally:
         serve.kill()
         serve.wait(timeout=10)
+
+
+def _start_serve(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], int, Path]:
+    model = write_tiny_llama(tmp_path / "m")
+    port = free_port()
+    log = tmp_path / "serve.log"
+    argv = [
+        sys.executable,
+        *(["-P"] if sys.version_info >= (3, 11) else []),
+        *("-m", "corefleet.engine.cli", "serve", "--port", str(port), "--model", str(model)),
+        *flags,
+        *SLOW,
+        *ENGINE_FLAGS,
+    ]
+    env = {**os.environ, **dict(child_env(tmp_path))}
+    with log.open("wb") as out:
+        serve = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+    wait_serve_ready(serve, f"http://127.0.0.1:{port}", TIMEOUT_S, log)
+    return serve, port, log
+
+
+def _tokens_of(events: list[dict | str]) -> int:
+    assert events[-1] == "[DONE]", events[-3:]
+    return int(events[-2]["usage"]["completion_tokens"])  # type: ignore[index]
+
+
+def test_a_rank_drains_under_load_from_two_api_processes_without_a_failure(
+    tmp_path: Path,
+) -> None:
+    serve, port, log = _start_serve(
+        tmp_path, "--api-server-count", "2", "--data-parallel-size", "2"
+    )
+    try:
+        pids: set[int] = _poll("two API processes", lambda: _both_api_pids(serve.pid))  # type: ignore[assignment]
+
+        def engines(pid: int) -> list[dict]:
+            conn = _connection_to(pid, port, pids)
+            try:
+                return _get_json(conn, "/admin/engines")  # type: ignore[return-value]
+            finally:
+                conn.close()
+
+        for pid in pids:
+            _poll(
+                f"{pid} sees both ranks",
+                lambda p=pid: [e["state"] for e in engines(p)] == ["ready"] * 2,
+            )
+        (rank1,) = _children_running(serve.pid, b"--rank", b"1")
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+
+            def streams(per_process: int) -> list[concurrent.futures.Future[list[dict | str]]]:
+                conns = [
+                    _connection_to(p, port, pids) for p in sorted(pids) for _ in range(per_process)
+                ]
+                return [pool.submit(lambda c=c: list(_stream(c, STREAM_TOKENS))) for c in conns]
+
+            running = streams(4)  # 8 streams, 4 through each process, spread over both ranks
+            some = sorted(pids)[0]
+            _poll("rank 1 busy", lambda: _running(engines(some), rank=1) > 0)
+            os.kill(rank1, signal.SIGTERM)  # rank 1 drains: finishes its streams, refuses more
+            arriving = streams(4)  # sent while it drains: refused there, routed to rank 0
+            outcomes = [f.result(timeout=TIMEOUT_S) for f in running + arriving]
+        assert [_tokens_of(events) for events in outcomes] == [STREAM_TOKENS] * 16
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        try:
+            assert serve.wait(timeout=TIMEOUT_S) == 0, log.read_text()
+        finally:
+            serve.kill()
+            serve.wait(timeout=10)
+
+
+def _running(engines: list[dict], rank: int) -> int:
+    (entry,) = [e for e in engines if e["rank"] == rank]
+    return int(entry["stats"]["running"]) if entry["stats"] else 0
+
+
+def _both_api_pids(serve_pid: int) -> set[int] | None:
+    pids = _api_pids(serve_pid)
+    return pids if len(pids) == 2 else None
 
 
 @pytest.mark.parametrize("count", ["0", "65", str(2**31)])
