@@ -143,6 +143,8 @@ class CoordinatorLinks:
         link.input_thread.start()
         while not link.input_thread.ready.wait(1.0):
             if not link.input_thread.is_alive():
+                self.close(index)
+                handshake.close(linger=0)
                 raise RuntimeError(f"the input thread for {address} died before it was ready")
         send_ready(handshake, settings.rank)
         logger.info("rank %d: serving the coordinator at %s", settings.rank, address)
@@ -249,4 +251,7 @@ class Joiner(threading.Thread):
         if self.stop_event.is_set():
             reply.sock.close(linger=0)
             return
-        self.links.open(reply.address, reply.sock, reply.message)
+        try:
+            self.links.open(reply.address, reply.sock, reply.message)
+        except (RuntimeError, zmq.ZMQError) as exc:  # dialled again at the next refresh
+            logger.error("rank %d: could not serve %s: %s", rank, reply.address, exc)
