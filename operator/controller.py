@@ -123,6 +123,13 @@ class Indexes:
             c["kind"] == "Deployment" and c.get("available") for c in self.live_children(key)
         )
 
+    def coordinator_summary(self, key: Key) -> str | None:
+        """Ready coordinator pods / the count the Deployment asks for; None without it."""
+        for child in self.live_children(key):
+            if child["kind"] == "Deployment":
+                return f"{int(child.get('ready') or 0)}/{int(child.get('desired') or 0)}"
+        return None
+
 
 def _post(body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
     # kopf only reads apiVersion, kind and metadata from the body to build the reference.
@@ -360,6 +367,7 @@ async def _reconcile_locked(
     ctx = Context(
         generation=generation,
         coordinator_ready=coordinator_ready,
+        coordinators=indexes.coordinator_summary(key),
         volume_missing=await _volume_missing(client, key[0], spec.model.volume, observed),
         joined=await _joined(runtime, key, coordinator_ready, spec),
     )

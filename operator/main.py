@@ -109,7 +109,8 @@ def _index_child(kind: str) -> None:
     def index(
         namespace: str | None, name: str, labels: kopf.Labels, body: kopf.Body, **_: Any
     ) -> dict[Any, Any]:
-        available = int((body.get("status") or {}).get("availableReplicas") or 0) > 0
+        status = body.get("status") or {}
+        available = int(status.get("availableReplicas") or 0) > 0
         return {
             (namespace, labels[ENGINE_LABEL]): {
                 "kind": kind,
@@ -117,6 +118,9 @@ def _index_child(kind: str) -> None:
                 "uid": body.metadata.uid,
                 "hash": pod_hash(body),
                 "available": available,
+                # A Deployment's pods: Ready ones and the count it asks for (the HPA's or spec's).
+                "ready": int(status.get("readyReplicas") or 0),
+                "desired": int((body.get("spec") or {}).get("replicas") or 0),
             }
         }
 

@@ -40,12 +40,14 @@ class Context:
     Attributes:
         generation: metadata.generation of the InferenceEngine.
         coordinator_ready: the coordinator Deployment has an available pod.
+        coordinators: "ready/desired" coordinator pods; None before the Deployment is seen.
         volume_missing: the model's PersistentVolumeClaim does not exist.
         joined: rank -> state reported by the coordinator's /admin/engines; None if unreachable.
     """
 
     generation: int
     coordinator_ready: bool
+    coordinators: str | None = None
     volume_missing: bool = False
     joined: Mapping[int, str] | None = None
 
@@ -153,7 +155,7 @@ def _ready(
         return Condition("Ready", "False", "ScaledToZero", "dataParallelSize is 0")
     if not ctx.coordinator_ready:
         return Condition(
-            "Ready", "False", "CoordinatorUnavailable", "the coordinator pod is not available"
+            "Ready", "False", "CoordinatorUnavailable", "no coordinator pod is available"
         )
     if ready < size:
         return Condition("Ready", "False", "RanksNotReady", f"{ready}/{size} ranks ready")
@@ -216,7 +218,7 @@ def compute_status(
     ]
     for entry in ranks:
         entry.pop("reason")
-    return {
+    status = {
         "observedGeneration": ctx.generation,
         "replicas": len(live),
         "readyReplicas": ready,
@@ -230,6 +232,9 @@ def compute_status(
             conditions, previous.get("conditions") or [], ctx.generation, now
         ),
     }
+    if ctx.coordinators is not None:
+        status["coordinatorSummary"] = ctx.coordinators
+    return status
 
 
 def invalid_spec_status(

@@ -20,7 +20,16 @@ EXAMPLE = REPO / "examples" / "smollm2-cpu.yaml"
 IE = "corefleet.dev/v1alpha1/inferenceengines"
 SCHEMA = yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 DEFAULT_COLUMNS = ["NAME", "RANKS", "READY", "ENDPOINT", "AGE"]
-WIDE_COLUMNS = ["DP", "TP", "UP-TO-DATE", "ROUTING", "COORDINATOR", "SHUTDOWN", "MODEL"]
+WIDE_COLUMNS = [
+    "DP",
+    "TP",
+    "UP-TO-DATE",
+    "ROUTING",
+    "COORDINATOR",
+    "COORDINATORS",
+    "SHUTDOWN",
+    "MODEL",
+]
 
 
 def words(text: str) -> str:
@@ -35,13 +44,17 @@ def test_get_wide_shows_the_parallel_layout_and_routing(api_server: ApiServer) -
     assert list(row) == DEFAULT_COLUMNS  # tests/e2e/test_smollm2_fleet.py reads RANKS and READY
 
     api_server.patch_status(
-        IE, "default", "smollm2", {"updatedReplicas": 2, "coordinatorReady": True}
+        IE,
+        "default",
+        "smollm2",
+        {"updatedReplicas": 2, "coordinatorReady": True, "coordinatorSummary": "1/1"},
     )
     [wide] = parse_table(api_server.kubectl("get", "ie", "-o", "wide").stdout)
     assert list(wide) == DEFAULT_COLUMNS + WIDE_COLUMNS
     assert wide["DP"] == str(example["dataParallelSize"])
     assert wide["TP"] == "1"  # the schema's default
     assert wide["UP-TO-DATE"] == "2" and wide["COORDINATOR"] == "true"
+    assert wide["COORDINATORS"] == "1/1"
     assert wide["ROUTING"] == (example.get("coordinator") or {}).get("routing", "LeastLoaded")
     assert wide["SHUTDOWN"] == (example.get("shutdown") or {}).get("mode", "Drain")
     assert wide["MODEL"] == example["model"]["path"]

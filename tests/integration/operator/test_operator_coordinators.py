@@ -69,8 +69,17 @@ def test_two_coordinators_with_a_budget_and_a_discovery_service(tmp_path):
                 args = pod["spec"]["containers"][0]["args"]
                 assert args[args.index("--coordinator") + 1] == "llama-coordinators:5570"
 
+            # Play the Deployment controller: one of the two coordinators is Ready.
+            ready = {"status": {"replicas": 2, "readyReplicas": 1, "availableReplicas": 1}}
+            await c.request("PATCH", f"{DEPLOY_URL}/status", ready, MERGE)
+            await eventually(
+                lambda: c.status().get("coordinatorSummary") == "1/2", what="coordinators 1/2"
+            )
             await c.patch_spec({"coordinator": {"replicas": 3}})
             await eventually(lambda: _deployment(c)["spec"]["replicas"] == 3, what="3 replicas")
+            await eventually(
+                lambda: c.status().get("coordinatorSummary") == "1/3", what="coordinators 1/3"
+            )
 
     run(scenario())
 

@@ -100,6 +100,7 @@ def test_apply_creates_every_child_with_owner_references(tmp_path):
                 "selector",
                 "endpoint",
                 "coordinatorReady",
+                "coordinatorSummary",
                 "ranks",
                 "conditions",
             }  # nothing of kopf's in status

@@ -311,6 +311,7 @@ def test_scale_status_and_printer_columns():
         "Up-To-Date",
         "Routing",
         "Coordinator",
+        "Coordinators",
         "Shutdown",
         "Model",
     ]

@@ -310,3 +310,8 @@ def test_a_rolling_update_lasts_until_the_replaced_ranks_serve():
         "RanksStarting",
     )
     assert status_for(2, [pod(0), pod(1)])["coordinatorReady"] is True
+
+
+def test_coordinator_summary_is_reported_once_the_deployment_is_seen():
+    assert "coordinatorSummary" not in status_for(1, [pod(0)])
+    assert status_for(1, [pod(0)], coordinators="1/2")["coordinatorSummary"] == "1/2"
