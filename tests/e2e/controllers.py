@@ -3,8 +3,9 @@
 `DeploymentController.sync` keeps each Deployment's pods present: it creates pods from the
 template (named `<deployment>-<template hash>-<5 chars>`, labelled `pod-template-hash`, owned by
 the Deployment so deleting it deletes them), replaces pods of an old template (Recreate: all old
-pods gone before a new one starts; RollingUpdate: a new one first, old ones once it is ready),
-and writes the Deployment's status. No ReplicaSets: the pods belong to the Deployment directly.
+pods gone before a new one starts; RollingUpdate: new ones within `maxSurge` above the count,
+old ones while `maxUnavailable` allows, as Ready pods come), and writes the Deployment's status.
+No ReplicaSets: the pods belong to the Deployment directly.
 
 `hosts_entries` is cluster DNS as `/etc/hosts` lines: every Service name form
 (`svc`, `svc.ns`, `svc.ns.svc`, `svc.ns.svc.cluster.local`) maps to the addresses of the pods
@@ -51,6 +52,26 @@ def _owned_by(pod: Obj, uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in pod["metadata"].get("ownerReferences") or ())
 
 
+def _bound(value: Any, want: int, round_up: bool) -> int:
+    if isinstance(value, str) and value.endswith("%"):
+        share = want * int(value[:-1])
+        return -(-share // 100) if round_up else share // 100
+    return int(value)
+
+
+def rolling_bounds(spec: Obj, want: int) -> tuple[int, int]:
+    """(maxSurge, maxUnavailable) of a RollingUpdate Deployment, in pods.
+
+    As the Deployment controller reads them: absent means 25 %, a surge percentage rounds up
+    and an unavailability percentage down, and both 0 (the API refuses it) counts as 1
+    unavailable.
+    """
+    rolling = (spec.get("strategy") or {}).get("rollingUpdate") or {}
+    surge = _bound(rolling.get("maxSurge", "25%"), want, round_up=True)
+    unavailable = _bound(rolling.get("maxUnavailable", "25%"), want, round_up=False)
+    return surge, unavailable if surge or unavailable else 1
+
+
 def template_hash(template: Obj) -> str:
     """A short stable hash of a pod template (the `pod-template-hash` label)."""
     return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
@@ -84,11 +105,19 @@ class DeploymentController:
         elif recreate and any(_terminating(p) for p in owned):
             pass  # Recreate: nothing new starts until every old pod is gone
         else:
-            for _ in range(want - len(new)):
+            surge, unavailable = rolling_bounds(spec, want)
+            # New pods while the live ones stay within want + maxSurge (all of them when no
+            # old pod is left), then old ones while Ready pods stay at want - maxUnavailable
+            # (an old pod that is not Ready goes at once: it serves nothing).
+            room = want - len(new) if not old else min(want - len(new), want + surge - len(live))
+            for _ in range(max(room, 0)):
                 await self._create_pod(dep, current_hash)
-            if old and sum(_ready(p) for p in new) >= want:
-                for pod in old:
-                    await self.api.delete("v1", "pods", ns, pod["metadata"]["name"])
+            ready = sum(_ready(p) for p in live)
+            for pod in sorted(old, key=_ready):
+                if _ready(pod) and ready - 1 < want - unavailable:
+                    break
+                ready -= _ready(pod)
+                await self.api.delete("v1", "pods", ns, pod["metadata"]["name"])
         for pod in sorted(new, key=lambda p: p["metadata"]["name"])[want:]:
             await self.api.delete("v1", "pods", ns, pod["metadata"]["name"])
         await self._write_status(dep, want, live, new)

@@ -16,6 +16,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 from cluster import LocalCluster
 
@@ -69,6 +70,10 @@ class StreamingLoad:
         for thread in self._threads:
             thread.join(120)
 
+    def clients_running(self) -> int:
+        """Client threads still running: after the block, those stuck in a request."""
+        return sum(thread.is_alive() for thread in self._threads)
+
     def _client(self, index: int) -> None:
         client = openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=120)
         n = index
@@ -91,7 +96,8 @@ class StreamingLoad:
                 for choice in chunk.choices:
                     text += choice.delta.content or ""
                     finish = choice.finish_reason or finish
-        except openai.OpenAIError as exc:
+        # A stream cut mid-way (its server died) raises httpx's error, not the client's own.
+        except (openai.OpenAIError, httpx.HTTPError) as exc:
             return Outcome(started, time.monotonic(), finish, text, f"{type(exc).__name__}: {exc}")
         return Outcome(started, time.monotonic(), finish, text, None)
 

@@ -9,6 +9,7 @@ import json
 import pathlib
 import shlex
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -264,6 +265,74 @@ def test_a_deployment_keeps_its_pods_and_recreates_them_on_a_new_template(
     assert dep
     node.kubectl("delete", "deployment", "app", "--wait=false")
     wait_for(lambda: not node.api.emu.objs("v1/pods", "default"), 30, "the pods to go with it")
+
+
+def test_a_rolling_update_keeps_within_max_surge_and_max_unavailable(node: LocalCluster) -> None:
+    # The coordinators' strategy: one new pod at a time, an old one goes only once a new one
+    # is Ready, so there are never fewer Ready pods than replicas, nor more than one extra.
+    def body(version: str) -> dict[str, Any]:
+        script = f"sleep 0.5; exec python3 -m http.server 8080  # {version}"
+        container = {
+            "name": "c",
+            "image": "corefleet:dev",
+            "command": ["sh", "-c", script],
+            "ports": [{"name": "http", "containerPort": 8080}],
+            "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1},
+        }
+        return {
+            "metadata": {"name": "roll"},
+            "spec": {
+                "replicas": 2,
+                "strategy": {
+                    "type": "RollingUpdate",
+                    "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+                },
+                "selector": {"matchLabels": {"app": "roll"}},
+                "template": {
+                    "metadata": {"labels": {"app": "roll"}},
+                    "spec": {"containers": [container]},
+                },
+            },
+        }
+
+    def pods() -> list[dict[str, Any]]:
+        return [
+            p
+            for p in node.api.emu.objs("v1/pods", "default")
+            if not p["metadata"].get("deletionTimestamp")
+        ]
+
+    def ready() -> list[str]:
+        return [p["metadata"]["name"] for p in pods() if _container_ready(p)]
+
+    deployments = "/apis/apps/v1/namespaces/default/deployments"
+    node.api.request("POST", deployments, body("v1"), expect=201)
+    first = set(wait_for(lambda: len(ready()) == 2 and ready(), 60, "two Ready pods"))
+    seen: list[tuple[int, int]] = []  # (live pods, Ready pods)
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            live = pods()
+            seen.append((len(live), sum(_container_ready(p) for p in live)))
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    new_template = {"spec": {"template": body("v2")["spec"]["template"]}}
+    node.kubectl("patch", "deployment", "roll", "--type", "merge", "-p", json.dumps(new_template))
+    try:
+        wait_for(lambda: len(ready()) == 2 and not set(ready()) & first, 60, "two new Ready pods")
+    finally:
+        stop.set()
+        sampler.join(10)
+    assert max(live for live, _ in seen) == 3, seen  # one surge pod, never two
+    assert min(r for _, r in seen) >= 2, seen  # never fewer Ready than replicas
+
+
+def _container_ready(pod: dict[str, Any]) -> bool:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or [{}]
+    return bool(statuses[0].get("ready"))
 
 
 def test_an_unknown_image_fails_like_a_pull(node: LocalCluster) -> None:

@@ -66,14 +66,25 @@ def _wait_ready(cluster: LocalCluster, ranks: int, timeout: float = READY_TIMEOU
 
 
 def _coordinator_url(cluster: LocalCluster) -> str:
-    pods = json.loads(
-        cluster.kubectl(
-            "get", "pods", "-l", "app.kubernetes.io/component=coordinator", "-o", "json"
-        )
-    )["items"]
-    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-    assert len(live) == 1, [p["metadata"]["name"] for p in pods]
-    return f"http://{live[0]['status']['podIP']}:8000"
+    # One coordinator (the example's replicas: 1). A spec change that touches its command rolls
+    # it with a surge: the old pod goes once the new one is Ready, so wait for that.
+    def the_one() -> dict[str, Any] | None:
+        pods = json.loads(
+            cluster.kubectl(
+                "get", "pods", "-l", "app.kubernetes.io/component=coordinator", "-o", "json"
+            )
+        )["items"]
+        live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        ready = [
+            c.get("status") == "True"
+            for p in live
+            for c in (p.get("status") or {}).get("conditions") or ()
+            if c.get("type") == "Ready"
+        ]
+        return live[0] if len(pods) == 1 and ready == [True] else None
+
+    pod = wait_for(the_one, READY_TIMEOUT, "one Ready coordinator pod", 0.5)
+    return f"http://{pod['status']['podIP']}:8000"
 
 
 def _rank_pod(cluster: LocalCluster, rank: int) -> dict[str, Any] | None:
