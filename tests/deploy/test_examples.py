@@ -13,179 +13,43 @@ from __future__ import annotations
 
 import re
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import pytest
 import yaml
 
 from corefleet.engine.models.default_model import DEFAULT_GGUF_NAME
 from corefleet.operator import resources
 from corefleet.operator.naming import Owner, coordinator_name
-from corefleet.operator.spec import API_VERSION, GROUP, KIND, EngineSpec, InvalidSpec, parse_spec
-from tests.deploy.tools import CRD_FILE, REPO, run
-from tests.unit.operator import crdcheck
-
-EXAMPLES = REPO / "examples"
-K8S_VERSION = "1.30"  # the oldest Kubernetes the examples are meant for
-WAITING = "vllm:num_requests_waiting"
-
-CRD = yaml.safe_load(CRD_FILE.read_text())
-SERVED = {f"{GROUP}/{v['name']}" for v in CRD["spec"]["versions"] if v["served"]}
-MAX_RANKS = crdcheck.SCHEMA["properties"]["spec"]["properties"]["dataParallelSize"]["maximum"]
-
-# Kinds whose schemas kubernetes-validate does not have; each has its own checks below.
-ENGINE = (API_VERSION, KIND)
-SCALED_OBJECT = ("keda.sh/v1alpha1", "ScaledObject")
-APPLICATION = ("argoproj.io/v1alpha1", "Application")
-SERVICE_MONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
-KUSTOMIZATION = ("kustomize.config.k8s.io/v1beta1", "Kustomization")
-HAND_CHECKED = {ENGINE, SCALED_OBJECT, APPLICATION, SERVICE_MONITOR, KUSTOMIZATION}
-
-FILES = sorted(EXAMPLES.glob("*.yaml"))
-
-
-def _load(path: Path) -> list[Any]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
-
-
-def _collect() -> list[tuple[str, int, Any]]:
-    out = []
-    for path in FILES:
-        try:
-            docs = _load(path)
-        except yaml.YAMLError:
-            continue  # test_every_file_parses names the file
-        out += [(path.name, i, doc) for i, doc in enumerate(docs)]
-    return out
-
-
-DOCS = _collect()
-
-
-def _key(doc: Any) -> tuple[str, str]:
-    return (doc.get("apiVersion", ""), doc.get("kind", "")) if isinstance(doc, dict) else ("", "")
-
-
-def _name(doc: Mapping[str, Any]) -> str:
-    return str((doc.get("metadata") or {}).get("name", ""))
-
-
-def _id(file: str, index: int, doc: Any) -> str:
-    name = _name(doc) if isinstance(doc, dict) else ""
-    return f"{file}#{index}:{_key(doc)[1] or '?'}" + (f"/{name}" if name else "")
-
-
-def _params(*keys: tuple[str, str]) -> list[Any]:
-    """The documents of the given kinds (all when none given), one test id per document."""
-    return [
-        pytest.param(doc, id=_id(file, i, doc))
-        for file, i, doc in DOCS
-        if not keys or _key(doc) in keys
-    ]
-
-
-def _builtin_params() -> list[Any]:
-    return [
-        pytest.param(doc, id=_id(file, i, doc))
-        for file, i, doc in DOCS
-        if _key(doc) not in HAND_CHECKED
-    ]
-
-
-ENGINES: dict[str, Mapping[str, Any]] = {
-    _name(doc): doc for _, _, doc in DOCS if _key(doc)[1] == KIND
-}
-
-
-# -- shared checks -------------------------------------------------------------------------
-
-
-def k8s_errors(obj: Mapping[str, Any]) -> list[str]:
-    """Why the Kubernetes schemas refuse `obj` (strict: unknown fields too)."""
-    try:
-        kubernetes_validate.validate(dict(obj), K8S_VERSION, strict=True)
-    except kubernetes_validate.SchemaNotFoundError as exc:
-        return [exc.message]
-    except kubernetes_validate.ValidationError as exc:
-        where = "/".join(str(p) for p in exc.absolute_path)
-        return [f"{exc.message} (at /{where})"]
-    return []
-
-
-def unknown_fields(value: Any, schema: Mapping[str, Any], path: str = "") -> Iterator[str]:
-    """Fields the CRD does not declare: kubectl's strict field validation refuses them, and
-    without it the API server drops them silently."""
-    if schema.get("x-kubernetes-preserve-unknown-fields"):
-        return
-    if isinstance(value, dict):
-        props = schema.get("properties")
-        extra = schema.get("additionalProperties")
-        for key, sub in value.items():
-            if props is not None and key in props:
-                yield from unknown_fields(sub, props[key], f"{path}.{key}")
-            elif isinstance(extra, dict):
-                yield from unknown_fields(sub, extra, f"{path}.{key}")
-            elif props is not None:
-                yield f"{path}.{key}"
-    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
-        for i, item in enumerate(value):
-            yield from unknown_fields(item, schema["items"], f"{path}[{i}]")
-
-
-def engine_errors(doc: Mapping[str, Any]) -> list[str]:
-    """Why the API server (schema, CEL, unknown fields) would refuse an InferenceEngine."""
-    found = list(crdcheck.errors(doc))
-    found += [f"unknown field {f}" for f in unknown_fields(doc, crdcheck.SCHEMA)]
-    if doc.get("apiVersion") not in SERVED:
-        found.append(f"apiVersion {doc.get('apiVersion')!r} is not served ({sorted(SERVED)})")
-    return found
-
-
-def parsed(doc: Mapping[str, Any]) -> EngineSpec:
-    """The operator's view of the engine, both as written and as the API server defaults it."""
-    try:
-        parse_spec(crdcheck.defaulted(doc)["spec"])
-        return parse_spec(doc["spec"])
-    except InvalidSpec as exc:
-        pytest.fail(f"the operator refuses {_name(doc)}: {exc}")
-
-
-def adapter_name(series: str) -> str:
-    """The custom-metrics name prometheus-adapter-rules.yaml gives a Prometheus series."""
-    for rule in adapter_rules():
-        if series in rule["seriesQuery"]:
-            as_ = rule["name"]["as"].replace("${1}", r"\1")
-            return re.sub(rule["name"]["matches"], as_, series)
-    pytest.fail(f"no rule in prometheus-adapter-rules.yaml publishes {series}")
-
-
-def adapter_rules() -> list[dict[str, Any]]:
-    (config,) = [
-        doc
-        for doc in _load(EXAMPLES / "prometheus-adapter-rules.yaml")
-        if doc.get("kind") == "ConfigMap"
-    ]
-    return list(yaml.safe_load(config["data"]["config.yaml"])["rules"])
-
-
-def target_engine(ref: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The InferenceEngine a scaleTargetRef names: one defined in examples/, at a served version."""
-    assert ref.get("kind") == KIND, ref
-    assert ref.get("apiVersion") in SERVED, f"{ref.get('apiVersion')} is not served by the CRD"
-    assert ref.get("name") in ENGINES, f"{ref.get('name')!r} is no InferenceEngine in examples/"
-    return ENGINES[ref["name"]]
-
-
-def assert_slow_scale_down(behavior: Mapping[str, Any], engine: Mapping[str, Any]) -> None:
-    """Ranks leave slowly: the window outlasts a drain, and at most one rank per period."""
-    down = behavior["scaleDown"]
-    drain = parsed(engine).shutdown.effective_timeout_seconds
-    assert down["stabilizationWindowSeconds"] >= max(300, drain), down
-    assert all(p["type"] == "Pods" and p["value"] == 1 for p in down["policies"]), down
-
+from corefleet.operator.spec import GROUP, KIND
+from tests.deploy.examples_support import (
+    APPLICATION,
+    DOCS,
+    ENGINE,
+    ENGINES,
+    EXAMPLES,
+    FILES,
+    KUSTOMIZATION,
+    MAX_RANKS,
+    SCALED_OBJECT,
+    SERVICE_MONITOR,
+    WAITING,
+    adapter_name,
+    adapter_rules,
+    assert_slow_scale_down,
+    builtin_params,
+    engine_errors,
+    k8s_errors,
+    kind_key,
+    load_docs,
+    name_of,
+    params_of,
+    parsed,
+    target_engine,
+)
+from tests.deploy.tools import REPO, run
 
 # -- every file, every document --------------------------------------------------------------
 
@@ -197,21 +61,21 @@ def test_examples_exist() -> None:
 
 @pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
 def test_every_file_parses(path: Path) -> None:
-    docs = _load(path)
+    docs = load_docs(path)
     assert docs, f"{path.name} has no document"
     for doc in docs:
         assert isinstance(doc, dict), f"{path.name}: a document is not a mapping"
 
 
-@pytest.mark.parametrize("doc", _params())
+@pytest.mark.parametrize("doc", params_of())
 def test_every_document_has_a_kind_and_a_name(doc: Mapping[str, Any]) -> None:
-    api_version, kind = _key(doc)
+    api_version, kind = kind_key(doc)
     assert api_version and kind
     if (api_version, kind) != KUSTOMIZATION:
-        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", _name(doc)), doc.get("metadata")
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name_of(doc)), doc.get("metadata")
 
 
-@pytest.mark.parametrize("doc", _builtin_params())
+@pytest.mark.parametrize("doc", builtin_params())
 def test_builtin_kind_is_valid_kubernetes(doc: Mapping[str, Any]) -> None:
     assert k8s_errors(doc) == []
 
@@ -226,26 +90,26 @@ def test_readme_lists_every_file() -> None:
 
 
 def test_engine_names_are_unique() -> None:
-    names = [_name(doc) for _, _, doc in DOCS if _key(doc)[1] == KIND]
+    names = [name_of(doc) for _, _, doc in DOCS if kind_key(doc)[1] == KIND]
     assert sorted(names) == sorted(ENGINES)
     assert {"smollm2", "llama"} <= set(ENGINES)
 
 
-@pytest.mark.parametrize("doc", _params(ENGINE))
+@pytest.mark.parametrize("doc", params_of(ENGINE))
 def test_engine_passes_the_crd(doc: Mapping[str, Any]) -> None:
     assert engine_errors(doc) == []
 
 
-@pytest.mark.parametrize("doc", _params(ENGINE))
+@pytest.mark.parametrize("doc", params_of(ENGINE))
 def test_engine_parses_and_its_children_are_valid_kubernetes(doc: Mapping[str, Any]) -> None:
     spec = parsed(doc)
-    owner = Owner(name=_name(doc), namespace="default", uid="0b1c2d3e-uid")
+    owner = Owner(name=name_of(doc), namespace="default", uid="0b1c2d3e-uid")
     children = [*resources.build_children(owner, spec), resources.build_engine_pod(owner, spec, 0)]
     for child in children:
         assert k8s_errors(child) == [], f"{child['kind']} {child['metadata']['name']}"
 
 
-@pytest.mark.parametrize("doc", _params(ENGINE))
+@pytest.mark.parametrize("doc", params_of(ENGINE))
 def test_engine_model_comes_from_the_image_or_a_claim_in_the_same_file(
     doc: Mapping[str, Any],
 ) -> None:
@@ -258,12 +122,12 @@ def test_engine_model_comes_from_the_image_or_a_claim_in_the_same_file(
     if claim is not None:
         (file,) = [f for f, _, d in DOCS if d is doc]
         claims = {
-            _name(d) for f, _, d in DOCS if f == file and d["kind"] == "PersistentVolumeClaim"
+            name_of(d) for f, _, d in DOCS if f == file and d["kind"] == "PersistentVolumeClaim"
         }
         assert claim in claims, f"{file} mounts claim {claim!r} but does not define it"
 
 
-@pytest.mark.parametrize("doc", _params(ENGINE))
+@pytest.mark.parametrize("doc", params_of(ENGINE))
 def test_engine_api_key_secret_is_defined_or_its_creation_explained(
     doc: Mapping[str, Any],
 ) -> None:
@@ -271,7 +135,7 @@ def test_engine_api_key_secret_is_defined_or_its_creation_explained(
     if ref is None:
         return
     (file,) = [f for f, _, d in DOCS if d is doc]
-    secrets = {_name(d) for _, _, d in DOCS if d["kind"] == "Secret"}
+    secrets = {name_of(d) for _, _, d in DOCS if d["kind"] == "Secret"}
     text = (EXAMPLES / file).read_text()
     create = f"kubectl create secret generic {ref.name} --from-literal={ref.key}="
     assert ref.name in secrets or create in text, f"{file}: say how to create Secret {ref.name}"
@@ -288,7 +152,7 @@ def test_readme_coordinator_autoscaling_block_applies_to_the_gpu_example() -> No
     del engine["spec"]["coordinator"]["replicas"]
     engine["spec"]["coordinator"].update(coordinator)
     assert engine_errors(engine) == []
-    owner = Owner(name=_name(engine), namespace="default", uid="0b1c2d3e-uid")
+    owner = Owner(name=name_of(engine), namespace="default", uid="0b1c2d3e-uid")
     children = {c["kind"]: c for c in resources.build_children(owner, parsed(engine))}
     hpa = children["HorizontalPodAutoscaler"]
     assert k8s_errors(hpa) == [] and k8s_errors(children["Deployment"]) == []
@@ -307,7 +171,7 @@ def test_the_gpu_example_runs_several_coordinators_and_the_cpu_example_one() -> 
 # -- autoscalers -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("doc", _params(("autoscaling/v2", "HorizontalPodAutoscaler")))
+@pytest.mark.parametrize("doc", params_of(("autoscaling/v2", "HorizontalPodAutoscaler")))
 def test_hpa_scales_an_example_engine_on_the_waiting_queue(doc: Mapping[str, Any]) -> None:
     spec = doc["spec"]
     engine = target_engine(spec["scaleTargetRef"])
@@ -319,7 +183,7 @@ def test_hpa_scales_an_example_engine_on_the_waiting_queue(doc: Mapping[str, Any
         assert metric["describedObject"] == {
             "apiVersion": "v1",
             "kind": "Service",
-            "name": coordinator_name(_name(engine)),
+            "name": coordinator_name(name_of(engine)),
         }
         assert metric["metric"]["name"] == adapter_name(WAITING)
     assert_slow_scale_down(spec["behavior"], engine)
@@ -334,7 +198,7 @@ def test_adapter_rule_renames_the_waiting_gauge_to_a_legal_name() -> None:
     assert rule["metricsQuery"].startswith("max(")  # one figure however many coordinators
 
 
-@pytest.mark.parametrize("doc", _params(SCALED_OBJECT))
+@pytest.mark.parametrize("doc", params_of(SCALED_OBJECT))
 def test_keda_scales_an_example_engine_on_the_waiting_queue(doc: Mapping[str, Any]) -> None:
     spec = doc["spec"]
     engine = target_engine(spec["scaleTargetRef"])
@@ -345,7 +209,7 @@ def test_keda_scales_an_example_engine_on_the_waiting_queue(doc: Mapping[str, An
     assert re.match(r"https?://", meta["serverAddress"])
     # max: every coordinator reports the same ranks' queues; a sum counts them once per pod.
     assert meta["query"].startswith(f"max({WAITING}{{")
-    assert f'service="{coordinator_name(_name(engine))}"' in meta["query"]
+    assert f'service="{coordinator_name(name_of(engine))}"' in meta["query"]
     assert float(meta["threshold"]) > 0
     assert_slow_scale_down(spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"], engine)
 
@@ -359,13 +223,13 @@ def test_each_engine_has_at_most_one_autoscaler() -> None:
     assert len(targets) == len(set(targets)), targets
 
 
-@pytest.mark.parametrize("doc", _params(SERVICE_MONITOR))
+@pytest.mark.parametrize("doc", params_of(SERVICE_MONITOR))
 def test_service_monitor_selects_a_coordinator_service_by_its_labels(
     doc: Mapping[str, Any],
 ) -> None:
     labels = doc["spec"]["selector"]["matchLabels"]
     engine = ENGINES[labels["corefleet.dev/engine"]]
-    owner = Owner(name=_name(engine), namespace="default", uid="0b1c2d3e-uid")
+    owner = Owner(name=name_of(engine), namespace="default", uid="0b1c2d3e-uid")
     services = [
         c
         for c in resources.build_children(owner, parsed(engine))
@@ -381,7 +245,7 @@ def test_service_monitor_selects_a_coordinator_service_by_its_labels(
             for s in services
             if endpoint["port"] in {p["name"] for p in s["spec"]["ports"]}
         ]
-        assert scraped == [coordinator_name(_name(engine))]
+        assert scraped == [coordinator_name(name_of(engine))]
 
 
 # -- GitOps ----------------------------------------------------------------------------------
@@ -403,14 +267,14 @@ def test_kustomization_resources_exist() -> None:
 def test_kustomization_renders_valid_manifests_without_the_rank_count() -> None:
     out = run("kubectl", "kustomize", str(EXAMPLES)).stdout
     docs = [d for d in yaml.safe_load_all(out) if d is not None]
-    engines = {_name(d): d for d in docs if _key(d) == ENGINE}
+    engines = {name_of(d): d for d in docs if kind_key(d) == ENGINE}
     assert engines, "the kustomization deploys no InferenceEngine"
     for doc in docs:
-        if _key(doc) == ENGINE:
-            assert engine_errors(doc) == [], _name(doc)
+        if kind_key(doc) == ENGINE:
+            assert engine_errors(doc) == [], name_of(doc)
             parsed(doc)
         else:
-            assert k8s_errors(doc) == [], f"{doc['kind']} {_name(doc)}"
+            assert k8s_errors(doc) == [], f"{doc['kind']} {name_of(doc)}"
     for doc in docs:
         if doc["kind"] == "HorizontalPodAutoscaler":
             target = doc["spec"]["scaleTargetRef"]["name"]
@@ -419,7 +283,7 @@ def test_kustomization_renders_valid_manifests_without_the_rank_count() -> None:
             assert "dataParallelSize" not in engines[target]["spec"]
 
 
-@pytest.mark.parametrize("doc", _params(APPLICATION))
+@pytest.mark.parametrize("doc", params_of(APPLICATION))
 def test_argocd_application_leaves_the_rank_count_to_the_autoscaler(
     doc: Mapping[str, Any],
 ) -> None:
