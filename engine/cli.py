@@ -148,7 +148,19 @@ def _serve_parsers(sub: argparse._SubParsersAction) -> None:
     coord.add_argument("--handshake-port", type=int, default=5570)
     coord.add_argument("--input-port", type=int, default=5571)
     coord.add_argument("--output-port", type=int, default=5572)
-    coord.add_argument("--shutdown-timeout", type=float, default=30.0)
+    coord.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds open requests may take to finish once the server stops (default 30)",
+    )
+    coord.add_argument(
+        "--shutdown-delay",
+        type=float,
+        default=0.0,
+        help="on SIGTERM, seconds to go on serving while /ready says 503 (so a Service drops "
+        "this pod first; every response then closes its connection) before stopping (default 0)",
+    )
     coord.add_argument("--curve-keys-dir", default=None)
     _http_args(coord)
 

@@ -7,7 +7,11 @@ built from the spec; the rank and the coordinator address are added by the build
 
 from __future__ import annotations
 
-from corefleet.operator.naming import COORDINATOR_HTTP_PORT, GRACE_MARGIN_SECONDS
+from corefleet.operator.naming import (
+    COORDINATOR_HTTP_PORT,
+    COORDINATOR_SHUTDOWN_DELAY_SECONDS,
+    GRACE_MARGIN_SECONDS,
+)
 from corefleet.operator.spec import ROUTING_FLAGS, EngineSpec
 
 
@@ -70,6 +74,10 @@ def coordinator_args(name: str, spec: EngineSpec) -> list[str]:
         str(spec.engine.block_size),
         "--shutdown-timeout",
         str(spec.shutdown.effective_timeout_seconds),
+        # On SIGTERM (a rolling update, a scale-in), go on serving, not ready, while the
+        # Service's endpoints drop this pod; it fits in the grace period's margin.
+        "--shutdown-delay",
+        str(COORDINATOR_SHUTDOWN_DELAY_SECONDS),
     ]
     if spec.model.served_model_name:
         args += ["--served-model-name", spec.model.served_model_name]

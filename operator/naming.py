@@ -27,6 +27,9 @@ HANDSHAKE_PORT = 5570
 INPUT_PORT = 5571
 OUTPUT_PORT = 5572
 GRACE_MARGIN_SECONDS = 15  # exit, flush logs and close sockets after the drain timeout
+# A coordinator told to stop serves on, not ready, this long (within the margin above), while
+# the Service's endpoints drop it: a rolling update of coordinators then fails no request.
+COORDINATOR_SHUTDOWN_DELAY_SECONDS = 5
 TEMPLATE_VERSION = "1"  # bump when a builder changes what running pods should look like
 
 

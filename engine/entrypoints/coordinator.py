@@ -4,9 +4,11 @@
 ranks to dial in (the rank pods' ``corefleet engine-core --coordinator NAME:5570``).
 ``serve`` is the same process plus N local ``engine-core`` children dialling it over loopback.
 
-SIGTERM/SIGINT: ``/ready`` turns 503 at once, the HTTP server stops accepting and lets open
-streams finish within ``--shutdown-timeout``; then local ranks get SIGTERM (they drain with the
-same timeout) and the process exits 0.
+SIGTERM/SIGINT: ``/ready`` turns 503 at once; after ``--shutdown-delay`` (0 by default; the
+operator gives a coordinator pod 5 s, for the Service to drop it while it still serves, every
+response closing its connection) the HTTP server stops accepting and lets open streams finish
+within ``--shutdown-timeout``; then local ranks get SIGTERM (they drain with the same timeout)
+and the process exits 0.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from corefleet.engine.transport.sockets import load_curve_keys
 
 logger = logging.getLogger(__name__)
 
+MAX_SHUTDOWN_S = 86_400.0  # a day: longer is a typo, and would hold a pod for good
 SHARED_SOCKET_WAIT_S = 30.0  # how long a process on a shared socket waits for a rank
 
 
@@ -56,7 +59,16 @@ class CoordinatorOptions:
     max_migrations: int = 2
     heartbeat_timeout_s: float = 10.0
     shutdown_timeout_s: float = 30.0
+    shutdown_delay_s: float = 0.0  # not ready, still serving, this long before stopping
     curve_keys_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in (
+            ("--shutdown-timeout", self.shutdown_timeout_s),
+            ("--shutdown-delay", self.shutdown_delay_s),
+        ):
+            if not 0 <= value <= MAX_SHUTDOWN_S:
+                raise ValueError(f"{name} {value} must be between 0 and {MAX_SHUTDOWN_S} seconds")
 
 
 def advertised_host(options: CoordinatorOptions) -> str:
@@ -112,7 +124,7 @@ async def run(
             local_ranks.start(fleet.server.ports[0])
             supervisor = asyncio.create_task(_supervise(local_ranks, fleet, state))
         logger.info("serving %s on http://%s:%d", model_name, options.host, options.port)
-        server = ApiServer(config, state)
+        server = ApiServer(config, state, options.shutdown_delay_s)
         if parent_fd is not None:
             _exit_with_parent(parent_fd, server)
         sockets = None

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import resource
 import signal
+import socket
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import h11
@@ -118,15 +121,40 @@ def uvicorn_config(
 
 
 class ApiServer(uvicorn.Server):
-    """uvicorn, with readiness dropped the moment a shutdown signal arrives."""
+    """uvicorn, with readiness dropped the moment a shutdown signal arrives.
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    With ``shutdown_delay_s`` the stop itself (no new connections, open requests finish) comes
+    that much later: meanwhile ``/ready`` says 503, so the Service's endpoints drop this pod
+    while it still serves whoever has not noticed yet, and every response closes its
+    connection. A second signal stops at once.
+    """
+
+    def __init__(
+        self, config: uvicorn.Config, state: ServerState, shutdown_delay_s: float = 0.0
+    ) -> None:
         super().__init__(config)
         self.state = state
+        self.shutdown_delay_s = shutdown_delay_s
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    def handle_exit(self, sig: int, frame: object) -> None:
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        first = not self.state.shutting_down
         self.state.shutting_down = True
-        super().handle_exit(sig, frame)  # type: ignore[arg-type]
+        if first and self.shutdown_delay_s > 0 and self._loop is not None:
+            logger.info(
+                "%s: not ready now, stopping in %.1f s",
+                signal.Signals(sig).name,
+                self.shutdown_delay_s,
+            )
+            stop = functools.partial(uvicorn.Server.handle_exit, self, sig, frame)
+            # A signal handler may not touch the loop's timers directly: hand it over.
+            self._loop.call_soon_threadsafe(self._loop.call_later, self.shutdown_delay_s, stop)
+            return
+        super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

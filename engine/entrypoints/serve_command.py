@@ -34,6 +34,7 @@ def serve_command(args: argparse.Namespace) -> int:
             limits=limits,
             max_migrations=args.max_migrations,
             shutdown_timeout_s=args.shutdown_timeout,
+            shutdown_delay_s=args.shutdown_delay,
             curve_keys_dir=args.curve_keys_dir,
         )
         return asyncio.run(run(options))

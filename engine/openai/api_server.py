@@ -79,8 +79,11 @@ class ServerState:
         self.metrics.watch_admission(self.limiter)
 
     def engine_info(self) -> ReadyResponse:
+        # A coordinator shutting down still serves what reaches it (its readiness sends new
+        # clients elsewhere, and each response closes its connection): refusing would fail
+        # requests that a rolling update must not fail.
         ranks = self.fleet.membership.accepting()
-        if self.shutting_down or not ranks or ranks[0].info is None:
+        if not ranks or ranks[0].info is None:
             raise RequestError(
                 "no engine rank is ready yet; retry shortly", status=503, type="server_error"
             )
@@ -158,7 +161,7 @@ def build_app(state: ServerState) -> ApiFront:
         state.limits,
         state.fleet.membership.accepting(),
     )
-    return ApiFront(app, state.api_keys, generation)
+    return ApiFront(app, state.api_keys, generation, closing=lambda: state.shutting_down)
 
 
 async def _generate(

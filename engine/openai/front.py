@@ -10,6 +10,9 @@
   layers gave them is kept: an unexpected exception is logged and answered with a 500 in
   OpenAI's error shape (or ends a stream already under way).
 - Everything else (other methods and routes, ``/openapi.json``) is FastAPI's.
+- While the server shuts down (``closing()``), every response says ``Connection: close``: a
+  client on a kept-alive connection opens its next one to another coordinator, instead of
+  finding this one closed under its next request.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corefleet.engine.openai.admission import RETRY_HEADERS, ApiKeys, unauthorized
 from corefleet.engine.openai.errors import RequestError
@@ -40,15 +43,24 @@ def error_response(err: RequestError) -> JSONResponse:
 class ApiFront:
     """The key check for every request, and the generation routes ahead of ``app``."""
 
-    def __init__(self, app: ASGIApp, keys: ApiKeys, generation: Mapping[str, Endpoint]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: ApiKeys,
+        generation: Mapping[str, Endpoint],
+        closing: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.app = app
         self.keys = keys
         self.generation = dict(generation)  # path -> handler of its POST
+        self.closing = closing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.closing():
+            send = _closing_connection(send)
         key_id = None
         path: str = scope["path"]
         if self.keys and (path.startswith("/v1") or path.startswith("/admin")):
@@ -67,3 +79,15 @@ class ApiFront:
             logger.exception("POST %s failed", path)
             response = error_response(RequestError("internal server error", status=500))
         await response(scope, receive, send)
+
+
+def _closing_connection(send: Send) -> Send:
+    """``send`` that adds ``Connection: close`` to the response's headers."""
+
+    async def closing_send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [h for h in message.get("headers", ()) if h[0].lower() != b"connection"]
+            message = {**message, "headers": [*headers, (b"connection", b"close")]}
+        await send(message)
+
+    return closing_send
