@@ -237,9 +237,12 @@ def _tokens_of(events: list[dict | str]) -> int:
     return int(events[-2]["usage"]["completion_tokens"])  # type: ignore[index]
 
 
-def test_a_rank_drains_under_load_from_two_api_processes_without_a_failure(
-    tmp_path: Path,
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["drain", "death"])
+def test_a_rank_leaving_under_load_from_two_api_processes_fails_nothing(
+    tmp_path: Path, sig: signal.Signals
 ) -> None:
+    """SIGTERM: the rank drains (finishes its streams, refuses new ones: each coordinator
+    routes its own elsewhere). SIGKILL: each coordinator migrates its own streams."""
     serve, port, log = _start_serve(
         tmp_path, "--api-server-count", "2", "--data-parallel-size", "2"
     )
@@ -271,10 +274,12 @@ def test_a_rank_drains_under_load_from_two_api_processes_without_a_failure(
             running = streams(4)  # 8 streams, 4 through each process, spread over both ranks
             some = sorted(pids)[0]
             _poll("rank 1 busy", lambda: _running(engines(some), rank=1) > 0)
-            os.kill(rank1, signal.SIGTERM)  # rank 1 drains: finishes its streams, refuses more
-            arriving = streams(4)  # sent while it drains: refused there, routed to rank 0
+            os.kill(rank1, sig)
+            arriving = streams(4)  # sent while it leaves: refused there or routed to rank 0
             outcomes = [f.result(timeout=TIMEOUT_S) for f in running + arriving]
         assert [_tokens_of(events) for events in outcomes] == [STREAM_TOKENS] * 16
+        if sig == signal.SIGKILL:  # the streams on rank 1 moved, each by its own coordinator
+            assert sum(_migrations(_connection_to(p, port, pids)) for p in pids) > 0
     finally:
         serve.send_signal(signal.SIGTERM)
         try:
@@ -282,6 +287,14 @@ def test_a_rank_drains_under_load_from_two_api_processes_without_a_failure(
         finally:
             serve.kill()
             serve.wait(timeout=10)
+
+
+def _migrations(conn: http.client.HTTPConnection) -> float:
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    (line,) = [x for x in text.splitlines() if x.startswith("corefleet_migrations_total ")]
+    return float(line.split()[1])
 
 
 def _running(engines: list[dict], rank: int) -> int:
