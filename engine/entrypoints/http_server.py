@@ -68,6 +68,19 @@ class _HeadTimeoutProtocol(H11Protocol):
             self._head_timer.cancel()
             self._head_timer = None
 
+    def shutdown(self) -> None:
+        """The server stops: this connection finishes its request and may serve one more.
+
+        uvicorn closes an idle connection at once and a busy one the moment its response ends.
+        A response that began before the stop carries no ``Connection: close``, so its client
+        may send its next request on the connection as that response ends, and lose it to the
+        close (the keep-alive race; the async OpenAI client reuses a connection that fast).
+        Left open, the connection serves that request with ``Connection: close`` (``ApiFront``
+        adds it while the server closes), then closes; one that stays idle closes at its
+        keep-alive timeout, and a half-sent head at its head timeout. The server waits for
+        them within its graceful-shutdown timeout.
+        """
+
     def _head_timed_out(self) -> None:
         self._head_timer = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
@@ -126,7 +139,9 @@ class ApiServer(uvicorn.Server):
     With ``shutdown_delay_s`` the stop itself (no new connections, open requests finish) comes
     that much later: meanwhile ``/ready`` says 503, so the Service's endpoints drop this pod
     while it still serves whoever has not noticed yet, and every response closes its
-    connection. A second signal stops at once.
+    connection. A second signal stops at once. Stopping closes the listening socket; the
+    connections already open serve what they are sent until they close (see
+    ``_HeadTimeoutProtocol.shutdown``).
     """
 
     def __init__(

@@ -8,7 +8,8 @@
 - the node: `Kubelet` (pods as processes in network namespaces, Deployments, Service DNS);
 - the operator: the real `corefleet-operator` process, run out of cluster with the kubeconfig
   (as `kopf run` is during development), in a private mount namespace whose /etc/hosts is the
-  node's Service DNS, so it reaches the coordinator by its Service name as it would in a pod.
+  node's Service DNS, so it reaches the coordinator by its Service name as it would in a pod
+  (`with_node_dns`, which runs any process, a test's client load say, with that view).
 
 The image: `ghcr.io/corefleet/corefleet:<tag>` and `corefleet:<tag>` mean this machine's
 installation (the venv's `corefleet`) plus the file the Dockerfile adds, the embedded SmolLM2
@@ -25,7 +26,7 @@ import pathlib
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -103,6 +104,20 @@ class LocalCluster:
         """Where the operator's output goes."""
         return self.folder / "operator.log"
 
+    def with_node_dns(self, argv: Sequence[str]) -> list[str]:
+        """`argv` run on the node with the cluster's Service DNS as its /etc/hosts.
+
+        The node's own /etc/hosts knows no Service; the command gets a private mount namespace
+        in which the kubelet's node hosts file is bind-mounted over it, so it resolves
+        `<svc>.<ns>.svc.cluster.local` as a pod would, and sees the names change as pods come
+        and go (the bind mount follows the file, which the kubelet rewrites in place). The
+        command is exec'd: the process started is the command's, and signals reach it.
+        """
+        assert self.kubelet is not None
+        script = 'mount --bind "$0" /etc/hosts && exec "$@"'
+        unshare = ["unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", script]
+        return [*unshare, str(self.kubelet.node_hosts), *argv]
+
     def _start_operator(self) -> subprocess.Popen[bytes]:
         assert self.kubelet is not None
         env = {
@@ -111,10 +126,7 @@ class LocalCluster:
             "COREFLEET_OPERATOR_TIMER_SECONDS": str(self._timer),
         }
         operator = str(pathlib.Path(sys.executable).parent / "corefleet-operator")
-        script = 'mount --bind "$0" /etc/hosts && exec "$@"'
-        argv = ["unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", script]
-        argv += [str(self.kubelet.node_hosts), operator, "--standalone", "-n", "default"]
-        argv += ["--liveness", ""]
+        argv = self.with_node_dns([operator, "--standalone", "-n", "default", "--liveness", ""])
         with open(self.operator_log, "ab") as log:
             return subprocess.Popen(
                 argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=self.folder

@@ -4,21 +4,27 @@
 client (no retries: a request that fails is counted, not hidden) and records each one's outcome.
 `StatusRecorder` samples the InferenceEngine's status in the background, so a test can assert
 the stages and conditions it passed through, not just where it ended.
+
+Importing this module loads no part of the harness (the cluster is only a type here), so a load
+run as a process of its own (`dns_load.py`) imports it cheaply.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import openai
-from cluster import LocalCluster
+
+if TYPE_CHECKING:
+    from cluster import LocalCluster
 
 PROMPTS = [
     "Write a short poem about the sea.",
@@ -37,10 +43,18 @@ class Outcome:
     finish_reason: str | None
     text: str
     error: str | None
+    server: str | None = None  # the address that served it, once its response began
+    port: int | None = None  # the client's port: the same one again is a kept-alive connection
 
 
 class StreamingLoad:
-    """`clients` threads, each sending streaming chat requests back to back until stopped."""
+    """`clients` threads, each sending streaming chat requests back to back until stopped.
+
+    Each client has a connection pool of its own. The sync client closes a stream's connection
+    once it has read `[DONE]` (it leaves the end of the chunked body unread), so every request
+    opens a new one; with `keep_alive` the clients are `AsyncOpenAI`, which reads each stream to
+    its end and sends the next request on the same connection, as long-lived applications do.
+    """
 
     def __init__(
         self,
@@ -49,8 +63,10 @@ class StreamingLoad:
         clients: int = 3,
         max_tokens: int = 48,
         ignore_eos: bool = False,
+        keep_alive: bool = False,
     ) -> None:
         self.base_url, self.model, self.max_tokens = base_url, model, max_tokens
+        self.keep_alive = keep_alive
         # ignore_eos: every request runs to max_tokens, so a rank never idles between the model's
         # early stops (a test that needs work in flight at a given moment depends on it)
         self.extra_body = {"ignore_eos": True} if ignore_eos else None
@@ -75,6 +91,9 @@ class StreamingLoad:
         return sum(thread.is_alive() for thread in self._threads)
 
     def _client(self, index: int) -> None:
+        if self.keep_alive:
+            asyncio.run(self._async_client(index))
+            return
         client = openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=120)
         n = index
         while not self._stop.is_set():
@@ -82,7 +101,7 @@ class StreamingLoad:
             n += 1
 
     def _one(self, client: openai.OpenAI, prompt: str) -> Outcome:
-        started, text, finish = time.monotonic(), "", None
+        started, text, finish, server, port = time.monotonic(), "", None, None, None
         try:
             stream = client.chat.completions.create(
                 model=self.model,
@@ -92,14 +111,48 @@ class StreamingLoad:
                 stream=True,
                 extra_body=self.extra_body,
             )
+            server, port = _addresses(stream.response)
             for chunk in stream:
                 for choice in chunk.choices:
                     text += choice.delta.content or ""
                     finish = choice.finish_reason or finish
         # A stream cut mid-way (its server died) raises httpx's error, not the client's own.
         except (openai.OpenAIError, httpx.HTTPError) as exc:
-            return Outcome(started, time.monotonic(), finish, text, f"{type(exc).__name__}: {exc}")
-        return Outcome(started, time.monotonic(), finish, text, None)
+            error = f"{type(exc).__name__}: {exc}"
+            return Outcome(started, time.monotonic(), finish, text, error, server, port)
+        return Outcome(started, time.monotonic(), finish, text, None, server, port)
+
+    async def _async_client(self, index: int) -> None:
+        client = openai.AsyncOpenAI(
+            base_url=self.base_url, api_key="unused", max_retries=0, timeout=120
+        )
+        async with client:
+            n = index
+            while not self._stop.is_set():
+                self.outcomes.append(await self._async_one(client, PROMPTS[n % len(PROMPTS)]))
+                n += 1
+
+    async def _async_one(self, client: openai.AsyncOpenAI, prompt: str) -> Outcome:
+        """`_one` with the async client."""
+        started, text, finish, server, port = time.monotonic(), "", None, None, None
+        try:
+            stream = await client.chat.completions.create(
+                model=self.model,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=self.max_tokens,
+                temperature=0.0,
+                stream=True,
+                extra_body=self.extra_body,
+            )
+            server, port = _addresses(stream.response)
+            async for chunk in stream:
+                for choice in chunk.choices:
+                    text += choice.delta.content or ""
+                    finish = choice.finish_reason or finish
+        except (openai.OpenAIError, httpx.HTTPError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            return Outcome(started, time.monotonic(), finish, text, error, server, port)
+        return Outcome(started, time.monotonic(), finish, text, None, server, port)
 
     def wait_completed(self, count: int, timeout: float) -> None:
         """Block until at least `count` requests have ended."""
@@ -112,6 +165,18 @@ class StreamingLoad:
     def failures(self) -> list[Outcome]:
         """Requests that raised or did not end with `stop` or `length`."""
         return [o for o in self.outcomes if o.error or o.finish_reason not in ("stop", "length")]
+
+
+def _addresses(response: httpx.Response) -> tuple[str | None, int | None]:
+    """(server IP, client port) of the response's connection (httpcore's stream knows them).
+
+    A client that resolves a Service name cannot tell otherwise which pod answered it.
+    """
+    stream = response.extensions.get("network_stream")
+    if stream is None:
+        return None, None
+    peer, own = stream.get_extra_info("server_addr"), stream.get_extra_info("client_addr")
+    return (str(peer[0]) if peer else None), (int(own[1]) if own else None)
 
 
 class StatusRecorder:

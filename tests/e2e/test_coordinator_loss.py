@@ -11,7 +11,6 @@ joins it again and it serves.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import signal
@@ -22,9 +21,9 @@ from typing import Any
 
 import openai
 import pytest
-import yaml
-from cluster import REPO, LocalCluster, wait_for
-from fleet_support import StreamingLoad, admin_engines
+from cluster import LocalCluster, wait_for
+from coordinator_support import apply_two_coordinators, pod_url, rank_joined, wait_two_coordinators
+from fleet_support import StreamingLoad
 from netns import can_create_namespaces
 
 _why_not = can_create_namespaces()
@@ -46,36 +45,6 @@ def cluster(tmp_path: pathlib.Path) -> Iterator[LocalCluster]:
         yield local
         assert local.kubelet is not None
         assert not local.kubelet.errors, local.kubelet.errors
-
-
-def _apply_two_coordinators(cluster: LocalCluster, folder: pathlib.Path) -> None:
-    engine = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
-    engine["spec"]["dataParallelSize"] = 1  # one rank is enough, and leaves the cores to the rest
-    engine["spec"]["coordinator"]["replicas"] = 2
-    path = folder / "engine.yaml"
-    path.write_text(yaml.safe_dump(engine))
-    cluster.kubectl("apply", "-f", str(path))
-
-
-def _coordinators(cluster: LocalCluster) -> list[dict[str, Any]]:
-    pods = json.loads(
-        cluster.kubectl(
-            "get", "pods", "-l", "app.kubernetes.io/component=coordinator", "-o", "json"
-        )
-    )["items"]
-    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-
-
-def _ready(pod: dict[str, Any]) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or ()
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-
-
-def _rank_joined(base: str) -> bool:
-    try:
-        return [(e["rank"], e["state"]) for e in admin_engines(base)] == [(0, "ready")]
-    except OSError:  # not listening (yet, or any more)
-        return False
 
 
 class HostsRecorder:
@@ -120,27 +89,10 @@ def test_killing_one_coordinator_leaves_the_other_serving(
     cluster: LocalCluster, tmp_path: pathlib.Path
 ) -> None:
     assert cluster.kubelet is not None
-    _apply_two_coordinators(cluster, tmp_path)
-    try:
-        pods = wait_for(
-            lambda: (
-                (found := _coordinators(cluster))
-                and len(found) == 2
-                and all(_ready(p) for p in found)
-                and found
-            ),
-            READY_TIMEOUT,
-            "two Ready coordinators",
-            0.5,
-        )
-        victim, survivor = sorted(pods, key=lambda p: p["metadata"]["name"])
-        urls = {p["metadata"]["name"]: f"http://{p['status']['podIP']}:8000" for p in pods}
-        doomed, kept = urls[victim["metadata"]["name"]], urls[survivor["metadata"]["name"]]
-        # The one rank joined both: each coordinator lists it, ready.
-        for base in (doomed, kept):
-            wait_for(lambda base=base: _rank_joined(base), READY_TIMEOUT, f"rank 0 in {base}")
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{cluster.logs()}") from None
+    apply_two_coordinators(cluster, tmp_path)
+    # The one rank joined both: each coordinator lists it, ready.
+    victim, survivor = wait_two_coordinators(cluster, READY_TIMEOUT, not_named=set())
+    doomed, kept = pod_url(victim), pod_url(survivor)
     worker = cluster.kubelet.worker("default", victim["metadata"]["name"])
     assert worker is not None and worker.pid is not None
     victim_ip = victim["status"]["podIP"]
@@ -160,7 +112,7 @@ def test_killing_one_coordinator_leaves_the_other_serving(
         assert on_doomed.clients_running() == 0
         on_kept.wait_completed(after_kill + 3, 180)  # new requests on the survivor succeed
         # The kubelet restarts the coordinator; the rank joins it again and it serves.
-        wait_for(lambda: _rank_joined(doomed), READY_TIMEOUT, "rank 0 back in the restarted one")
+        wait_for(lambda: rank_joined(doomed), READY_TIMEOUT, "rank 0 back in the restarted one")
         back = time.monotonic()
         wait_for(lambda: any(t > back and victim_ip in a for t, a, _ in hosts.samples), 60, "DNS")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -75,6 +76,49 @@ def test_a_delayed_shutdown_serves_unready_then_stops_on_a_second_signal(tmp_pat
         assert coordinator.poll() is None  # still there: the delay has not ended
 
         coordinator.send_signal(signal.SIGTERM)  # a second signal: stop now
+        assert coordinator.wait(timeout=TIMEOUT_S) == 0
+    finally:
+        for proc in (coordinator, rank):
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _refuses_connections(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_a_connection_kept_alive_across_the_stop_serves_one_more_request(tmp_path: Path) -> None:
+    # A response begun before the stop says nothing of closing, so its client may reuse the
+    # connection the moment it ends; closing it then would lose that request.
+    model = write_tiny_llama(tmp_path / "m")
+    http_port, handshake_port = free_port(), free_port()
+    argv = [
+        sys.executable,
+        *(["-P"] if sys.version_info >= (3, 11) else []),
+        *("-m", "corefleet.engine.cli", "coordinator", "--model", str(model)),
+        *("--host", "127.0.0.1", "--port", str(http_port), "--advertise-host", "127.0.0.1"),
+        *("--handshake-port", str(handshake_port), "--input-port", "0", "--output-port", "0"),
+    ]
+    coordinator = subprocess.Popen(argv)
+    rank = spawn_rank(model, handshake_port, 0)
+    try:
+        wait_serve_ready(coordinator, f"http://127.0.0.1:{http_port}", TIMEOUT_S)
+        kept = http.client.HTTPConnection("127.0.0.1", http_port, timeout=TIMEOUT_S)
+        short = {"prompt": "hello", "max_tokens": 4}
+        assert _post(kept, short)[:2] == (200, None)
+
+        coordinator.send_signal(signal.SIGTERM)  # no delay: it stops accepting at once
+        deadline = time.monotonic() + TIMEOUT_S
+        while not _refuses_connections(http_port):
+            assert time.monotonic() < deadline, "the listening socket never closed"
+            time.sleep(0.05)
+        status, connection, body = _post(kept, short)
+        assert (status, connection) == (200, "close")
+        assert json.loads(body)["usage"]["completion_tokens"] == 4
         assert coordinator.wait(timeout=TIMEOUT_S) == 0
     finally:
         for proc in (coordinator, rank):
