@@ -12,13 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import threading
 import time
 from typing import Any
 
 import yaml
 from cluster import REPO, LocalCluster, wait_for
-from fleet_support import admin_engines
+from fleet_support import Sampler, admin_engines
 from pod_worker import PodWorker
 
 Pod = dict[str, Any]
@@ -97,7 +96,7 @@ class Ending:
     code: int | None = None
 
 
-class ProcessWatch:
+class ProcessWatch(Sampler):
     """Samples the pod workers of the given pods every 20 ms: `endings` by pod name."""
 
     def __init__(self, cluster: LocalCluster, names: list[str]) -> None:
@@ -108,16 +107,7 @@ class ProcessWatch:
             assert worker is not None and worker.process is not None, name
             self.workers[name] = worker
         self.endings = {name: Ending() for name in names}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> ProcessWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
+        super().__init__()
 
     def all_exited(self) -> bool:
         """Every watched container's process has exited."""

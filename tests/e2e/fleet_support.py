@@ -18,7 +18,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import httpx
 import openai
@@ -179,22 +179,33 @@ def _addresses(response: httpx.Response) -> tuple[str | None, int | None]:
     return (str(peer[0]) if peer else None), (int(own[1]) if own else None)
 
 
-class StatusRecorder:
+class Sampler:
+    """A daemon thread that runs `_run` from the start of a `with` block to its end; `_run`
+    returns once `_stop` is set."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class StatusRecorder(Sampler):
     """Samples `status` of an InferenceEngine from the API server every `interval` seconds."""
 
     def __init__(self, cluster: LocalCluster, name: str, interval: float = 0.2) -> None:
         self.cluster, self.name, self.interval = cluster, name, interval
         self.samples: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> StatusRecorder:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(10)
+        super().__init__()
 
     def _run(self) -> None:
         while not self._stop.is_set():

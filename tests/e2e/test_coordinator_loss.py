@@ -14,16 +14,14 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
-import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import openai
 import pytest
 from cluster import LocalCluster, wait_for
 from coordinator_support import apply_two_coordinators, pod_url, rank_joined, wait_two_coordinators
-from fleet_support import StreamingLoad
+from fleet_support import Sampler, StreamingLoad
 from netns import can_create_namespaces
 
 _why_not = can_create_namespaces()
@@ -47,23 +45,14 @@ def cluster(tmp_path: pathlib.Path) -> Iterator[LocalCluster]:
         assert not local.kubelet.errors, local.kubelet.errors
 
 
-class HostsRecorder:
+class HostsRecorder(Sampler):
     """Samples the node's Service DNS (its /etc/hosts): the addresses behind the two names."""
 
     def __init__(self, cluster: LocalCluster) -> None:
         assert cluster.kubelet is not None
         self.path = cluster.kubelet.node_hosts
         self.samples: list[tuple[float, set[str], set[str]]] = []  # (when, API, discovery)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> HostsRecorder:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(10)
+        super().__init__()
 
     def _run(self) -> None:
         last = None

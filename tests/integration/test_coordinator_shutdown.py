@@ -40,7 +40,11 @@ def _ready_status(port: int) -> int:
         conn.close()
 
 
-def test_a_delayed_shutdown_serves_unready_then_stops_on_a_second_signal(tmp_path: Path) -> None:
+def _coordinator_and_rank(
+    tmp_path: Path, *flags: str
+) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], int]:
+    """``corefleet coordinator`` (with ``flags``) on loopback, one tiny rank dialling it, and
+    the coordinator's HTTP port."""
     model = write_tiny_llama(tmp_path / "m")
     http_port, handshake_port = free_port(), free_port()
     argv = [
@@ -49,10 +53,13 @@ def test_a_delayed_shutdown_serves_unready_then_stops_on_a_second_signal(tmp_pat
         *("-m", "corefleet.engine.cli", "coordinator", "--model", str(model)),
         *("--host", "127.0.0.1", "--port", str(http_port), "--advertise-host", "127.0.0.1"),
         *("--handshake-port", str(handshake_port), "--input-port", "0", "--output-port", "0"),
-        *("--shutdown-delay", str(DELAY_S)),
+        *flags,
     ]
-    coordinator = subprocess.Popen(argv)
-    rank = spawn_rank(model, handshake_port, 0)
+    return subprocess.Popen(argv), spawn_rank(model, handshake_port, 0), http_port
+
+
+def test_a_delayed_shutdown_serves_unready_then_stops_on_a_second_signal(tmp_path: Path) -> None:
+    coordinator, rank, http_port = _coordinator_and_rank(tmp_path, "--shutdown-delay", str(DELAY_S))
     try:
         wait_serve_ready(coordinator, f"http://127.0.0.1:{http_port}", TIMEOUT_S)
         kept = http.client.HTTPConnection("127.0.0.1", http_port, timeout=TIMEOUT_S)
@@ -94,17 +101,7 @@ def _refuses_connections(port: int) -> bool:
 def test_a_connection_kept_alive_across_the_stop_serves_one_more_request(tmp_path: Path) -> None:
     # A response begun before the stop says nothing of closing, so its client may reuse the
     # connection the moment it ends; closing it then would lose that request.
-    model = write_tiny_llama(tmp_path / "m")
-    http_port, handshake_port = free_port(), free_port()
-    argv = [
-        sys.executable,
-        *(["-P"] if sys.version_info >= (3, 11) else []),
-        *("-m", "corefleet.engine.cli", "coordinator", "--model", str(model)),
-        *("--host", "127.0.0.1", "--port", str(http_port), "--advertise-host", "127.0.0.1"),
-        *("--handshake-port", str(handshake_port), "--input-port", "0", "--output-port", "0"),
-    ]
-    coordinator = subprocess.Popen(argv)
-    rank = spawn_rank(model, handshake_port, 0)
+    coordinator, rank, http_port = _coordinator_and_rank(tmp_path)
     try:
         wait_serve_ready(coordinator, f"http://127.0.0.1:{http_port}", TIMEOUT_S)
         kept = http.client.HTTPConnection("127.0.0.1", http_port, timeout=TIMEOUT_S)

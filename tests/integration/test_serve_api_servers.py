@@ -147,7 +147,7 @@ def _complete(conn: http.client.HTTPConnection) -> int:
     return response.status
 
 
-def test_two_api_processes_share_the_port_and_survive_each_other(tmp_path: Path) -> None:
+def _start_serve(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], int, Path]:
     model = write_tiny_llama(tmp_path / "m")
     port = free_port()
     log = tmp_path / "serve.log"
@@ -155,13 +155,22 @@ def test_two_api_processes_share_the_port_and_survive_each_other(tmp_path: Path)
         sys.executable,
         *(["-P"] if sys.version_info >= (3, 11) else []),
         *("-m", "corefleet.engine.cli", "serve", "--port", str(port), "--model", str(model)),
-        *("--api-server-count", "2", "--data-parallel-size", "1", *SLOW, *ENGINE_FLAGS),
+        *flags,
+        *SLOW,
+        *ENGINE_FLAGS,
     ]
     env = {**os.environ, **dict(child_env(tmp_path))}
     with log.open("wb") as out:
         serve = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+    wait_serve_ready(serve, f"http://127.0.0.1:{port}", TIMEOUT_S, log)
+    return serve, port, log
+
+
+def test_two_api_processes_share_the_port_and_survive_each_other(tmp_path: Path) -> None:
+    serve, port, log = _start_serve(
+        tmp_path, "--api-server-count", "2", "--data-parallel-size", "1"
+    )
     try:
-        wait_serve_ready(serve, f"http://127.0.0.1:{port}", TIMEOUT_S, log)
         pids = _poll(
             "two API processes", lambda: len(_api_pids(serve.pid)) == 2 and _api_pids(serve.pid)
         )
@@ -211,25 +220,6 @@ def test_two_api_processes_share_the_port_and_survive_each_other(tmp_path: Path)
     finally:
         serve.kill()
         serve.wait(timeout=10)
-
-
-def _start_serve(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], int, Path]:
-    model = write_tiny_llama(tmp_path / "m")
-    port = free_port()
-    log = tmp_path / "serve.log"
-    argv = [
-        sys.executable,
-        *(["-P"] if sys.version_info >= (3, 11) else []),
-        *("-m", "corefleet.engine.cli", "serve", "--port", str(port), "--model", str(model)),
-        *flags,
-        *SLOW,
-        *ENGINE_FLAGS,
-    ]
-    env = {**os.environ, **dict(child_env(tmp_path))}
-    with log.open("wb") as out:
-        serve = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
-    wait_serve_ready(serve, f"http://127.0.0.1:{port}", TIMEOUT_S, log)
-    return serve, port, log
 
 
 def _tokens_of(events: list[dict | str]) -> int:
