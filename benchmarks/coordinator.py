@@ -8,9 +8,11 @@ detokenization, the response or its SSE chunks.
 
 Per run, alternating, each on its own free port:
 
-- **trivial endpoint**: a FastAPI app on the coordinator's uvicorn configuration (same HTTP
-  protocol class, same limits) that parses the JSON body and returns a fixed completion. It is
-  the most this HTTP stack allows, and the issue's yardstick;
+- **trivial endpoints**: a FastAPI app that parses the JSON body and returns a fixed
+  completion, the issue's yardstick, on two stacks: ``h11`` (uvicorn's pure-Python protocol, the
+  coordinator's before it had its own, and the stack the issue measured) and ``httptools``
+  (the coordinator's protocol class with its limits; FastAPI's routes go through its ASGI
+  path). The second is the most a FastAPI endpoint gets from uvicorn;
 - **coordinator, short completions**: ``corefleet serve --data-parallel-size 2`` with the null
   executor, ``max_tokens: 4``, not streamed (the trivial endpoint's load, same connections);
 - **coordinator, SSE**: streamed completions of ``--sse-tokens`` tokens; the figure is data
@@ -21,7 +23,8 @@ Per run, alternating, each on its own free port:
 
 The load is ``benchmarks/http_load.py`` (raw keep-alive sockets, ``--load-processes`` worker
 processes), the same for every server. The coordinator's CPU (its process alone, ranks apart) is
-read from ``/proc`` around each load, as cores and as CPU time per request / per token.
+read from ``/proc`` around each load, as cores and as CPU time per request / per token; the
+ranks' CPU per request too (they share the machine's cores with the coordinator).
 
     python benchmarks/coordinator.py --runs 3
 """
@@ -29,6 +32,7 @@ read from ``/proc`` around each load, as cores and as CPU time per request / per
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -55,8 +59,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve_trivial(port: int) -> None:
-    """The trivial endpoint (run in its own process: ``--trivial-server PORT``)."""
+def serve_trivial(port: int, stack: str) -> None:
+    """A trivial endpoint (run in its own process: ``--trivial-server PORT --stack STACK``)."""
     from corefleet.engine.entrypoints.http_server import uvicorn_config
     from corefleet.engine.openai.limits import RequestLimits
 
@@ -81,7 +85,10 @@ def serve_trivial(port: int) -> None:
 
     import uvicorn
 
-    uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, RequestLimits(), 5.0)).run()
+    config = uvicorn_config(app, "127.0.0.1", port, RequestLimits(), 5.0)
+    if stack == "h11":
+        config.http = "h11"
+    uvicorn.Server(config).run()
 
 
 def start(argv: list[str], port: int, timeout: float = 180.0) -> subprocess.Popen[bytes]:
@@ -111,9 +118,9 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int, with_api: bool = True) -> float:
     """CPU seconds of ``pid``, plus its API-process children (``--api-server-count``)."""
-    pids = [pid, *api_children(pid)]
+    pids = [pid, *api_children(pid)] if with_api else [pid]
     total = 0
     for one in pids:
         with open(f"/proc/{one}/stat") as f:
@@ -133,6 +140,13 @@ def api_children(pid: int) -> list[int]:
     return found
 
 
+def rank_pids(pid: int) -> list[int]:
+    """The engine-rank processes ``serve`` started (its children that are not API processes)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    return [c for c in children if c not in api_children(pid)]
+
+
 def measured(pid: int, load: Any) -> tuple[LoadResult, float]:
     """Run ``load()`` and return its result and the CPU seconds ``pid`` used meanwhile."""
     before = cpu_seconds(pid)
@@ -143,28 +157,28 @@ def measured(pid: int, load: Any) -> tuple[LoadResult, float]:
 def one_run(args: argparse.Namespace) -> dict[str, float]:
     row: dict[str, float] = {}
     short = {"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": 4}
-    port = free_port()
-    trivial = start(
-        [sys.executable, os.path.abspath(__file__), "--trivial-server", str(port)], port
-    )
-    try:
-        url = f"http://127.0.0.1:{port}/v1/completions"
-        result, cpu = measured(
-            trivial.pid,
-            lambda: run_load(url, short, args.connections, args.duration, args.load_processes),
-        )
-        row["trivial req/s"] = result.requests_per_s
-        row["trivial cores"] = cpu / args.duration
-        row["trivial failed"] = result.failed
-    finally:
-        stop(trivial)
+    for stack in ("h11", "httptools"):
+        port = free_port()
+        argv = [sys.executable, os.path.abspath(__file__), "--trivial-server", str(port)]
+        trivial = start([*argv, "--stack", stack], port)
+        try:
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            load = functools.partial(
+                run_load, url, short, args.connections, args.duration, args.load_processes
+            )
+            result, cpu = measured(trivial.pid, load)
+            row[f"trivial {stack} req/s"] = result.requests_per_s
+            row[f"trivial {stack} cores"] = cpu / args.duration
+            row[f"trivial {stack} failed"] = result.failed
+        finally:
+            stop(trivial)
     for count in args.api_server_counts:
-        row |= coordinator_figures(args, count, short, row["trivial req/s"])
+        row |= coordinator_figures(args, count, short, row)
     return row
 
 
 def coordinator_figures(
-    args: argparse.Namespace, count: int, short: dict[str, Any], trivial: float
+    args: argparse.Namespace, count: int, short: dict[str, Any], trivial: dict[str, float]
 ) -> dict[str, float]:
     """Short completions and SSE through ``serve --api-server-count count``."""
     name = "coordinator" if count == 1 else f"{count} coordinators"
@@ -180,16 +194,24 @@ def coordinator_figures(
         if count > 1:  # every API process must have a rank before the load starts
             time.sleep(5.0)
         url = f"http://127.0.0.1:{port}/v1/completions"
+        ranks = rank_pids(server.pid)
+        ranks_before = sum(cpu_seconds(pid, with_api=False) for pid in ranks)
         result, cpu = measured(
             server.pid,
             lambda: run_load(url, short, args.connections, args.duration, args.load_processes),
         )
+        ranks_cpu = sum(cpu_seconds(pid, with_api=False) for pid in ranks) - ranks_before
+        requests = max(1, result.requests_per_s * args.duration)
         row[f"{name} req/s"] = result.requests_per_s
         row[f"{name} p50 ms"] = result.p50_ms
         row[f"{name} cores"] = cpu / args.duration
-        row[f"{name} CPU ms/request"] = cpu * 1000 / max(1, result.requests_per_s * args.duration)
+        row[f"{name} CPU ms/request"] = cpu * 1000 / requests
+        row[f"{name} ranks CPU ms/request"] = ranks_cpu * 1000 / requests
         row[f"{name} failed"] = result.failed
-        row[f"{name} ratio"] = result.requests_per_s / trivial
+        for stack in ("h11", "httptools"):
+            row[f"{name} ratio to {stack}"] = (
+                result.requests_per_s / trivial[f"trivial {stack} req/s"]
+            )
         # skip_special_tokens false: the null executor's token is a special one, and each
         # must show as text to make its own chunk.
         sse = {**short, "max_tokens": args.sse_tokens, "stream": True}
@@ -227,9 +249,10 @@ def main() -> None:
     )
     parser.add_argument("--json", help="write every run's figures here")
     parser.add_argument("--trivial-server", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--stack", choices=["h11", "httptools"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trivial_server:
-        serve_trivial(args.trivial_server)
+        serve_trivial(args.trivial_server, args.stack)
         return
     rows = []
     for i in range(args.runs):

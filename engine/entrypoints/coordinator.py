@@ -30,9 +30,11 @@ from corefleet.engine.models.default_model import served_model_name
 from corefleet.engine.models.gguf_metadata import release_gguf_reader
 from corefleet.engine.models.loader import resolve_model_path
 from corefleet.engine.openai.admission import ApiKeys
-from corefleet.engine.openai.api_server import ServerState, build_app
+from corefleet.engine.openai.api_server import build_app
+from corefleet.engine.openai.generation_api import GenerationApi
 from corefleet.engine.openai.limits import RequestLimits
 from corefleet.engine.openai.metrics import ServingMetrics
+from corefleet.engine.openai.server_state import ServerState
 from corefleet.engine.transport.sockets import load_curve_keys
 
 logger = logging.getLogger(__name__)
@@ -115,8 +117,14 @@ async def run(
         ServingMetrics(fleet, model_name),
         options.limits,
     )
+    api = GenerationApi(state)
     config = uvicorn_config(
-        build_app(state), options.host, options.port, options.limits, options.shutdown_timeout_s
+        build_app(state, api),
+        options.host,
+        options.port,
+        options.limits,
+        options.shutdown_timeout_s,
+        routes=api,
     )
     supervisor: asyncio.Task[None] | None = None
     try:

@@ -1,11 +1,9 @@
-"""The coordinator's HTTP server: uvicorn, hardened against idle and slow clients.
+"""The coordinator's HTTP server: uvicorn with the coordinator's own protocol, hardened
+against idle and slow clients.
 
 uvicorn closes a connection idle *between* requests (``timeout_keep_alive``) and answers 503
-beyond ``limit_concurrency`` connections, but it waits forever for the head of a request: a
-client that connects and sends nothing, or sends its headers a byte at a time (slowloris),
-holds a connection for good, and enough of them exhaust the limit. :func:`head_timeout_protocol`
-adds the missing deadline: a connection whose request head is not complete within
-``header_timeout_s`` of its first byte (or of connecting) is closed.
+beyond ``limit_concurrency`` connections; the protocol (``http_protocol.py``) adds a deadline
+on each request head (slowloris) and serves the generation POSTs without ASGI.
 """
 
 from __future__ import annotations
@@ -21,76 +19,17 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from corefleet.engine.openai.api_server import ServerState
+from corefleet.engine.entrypoints.http_protocol import NativeRoutes, coordinator_protocol
 from corefleet.engine.openai.limits import RequestLimits
+from corefleet.engine.openai.server_state import ServerState
 
 logger = logging.getLogger(__name__)
 
 # Files and sockets the process needs besides client connections: the model and tokenizer,
 # ZMQ's sockets and pipes (a few per rank), logs.
 _FD_RESERVE = 256
-
-
-class _HeadTimeoutProtocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on receiving each request head."""
-
-    head_timeout_s = 10.0  # set per server by head_timeout_protocol()
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._head_timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)  # type: ignore[arg-type]
-        self._arm_head_timer()  # a client that connects and says nothing
-
-    def data_received(self, data: bytes) -> None:
-        if self.conn.their_state is h11.IDLE:  # bytes of a head: it must complete in time
-            self._arm_head_timer()
-        super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # the head is in; the app takes over
-            self._cancel_head_timer()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_head_timer()
-        super().connection_lost(exc)
-
-    def _arm_head_timer(self) -> None:
-        if self._head_timer is None:
-            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
-
-    def _cancel_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def shutdown(self) -> None:
-        """The server stops: this connection finishes its request and may serve one more.
-
-        uvicorn closes an idle connection at once and a busy one the moment its response ends.
-        A response that began before the stop carries no ``Connection: close``, so its client
-        may send its next request on the connection as that response ends, and lose it to the
-        close (the keep-alive race; the async OpenAI client reuses a connection that fast).
-        Left open, the connection serves that request with ``Connection: close`` (``ApiFront``
-        adds it while the server closes), then closes; one that stays idle closes at its
-        keep-alive timeout, and a half-sent head at its head timeout. The server waits for
-        them within its graceful-shutdown timeout.
-        """
-
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self.transport.close()
-
-
-def head_timeout_protocol(timeout_s: float) -> type[H11Protocol]:
-    """An h11 protocol class for uvicorn whose request heads must arrive within
-    ``timeout_s``."""
-    return type("HeadTimeoutProtocol", (_HeadTimeoutProtocol,), {"head_timeout_s": timeout_s})
 
 
 def connection_budget(wanted: int) -> int:
@@ -118,14 +57,23 @@ def connection_budget(wanted: int) -> int:
 
 
 def uvicorn_config(
-    app: Any, host: str, port: int, limits: RequestLimits, shutdown_timeout_s: float
+    app: Any,
+    host: str,
+    port: int,
+    limits: RequestLimits,
+    shutdown_timeout_s: float,
+    routes: NativeRoutes | None = None,
 ) -> uvicorn.Config:
-    """uvicorn's configuration for the API: the connection limits of ``limits``."""
+    """uvicorn's configuration for the API: the connection limits of ``limits``, and
+    ``routes`` (the generation POSTs) served by the protocol itself."""
+    protocol = coordinator_protocol(
+        limits.header_timeout_s, routes, limits.max_request_body_bytes, limits.body_timeout_s
+    )
     return uvicorn.Config(
         app,
         host=host,
         port=port,
-        http=head_timeout_protocol(limits.header_timeout_s),
+        http=protocol,
         limit_concurrency=connection_budget(limits.max_connections),
         timeout_keep_alive=limits.keep_alive_timeout_s,
         timeout_graceful_shutdown=int(shutdown_timeout_s),
@@ -141,7 +89,7 @@ class ApiServer(uvicorn.Server):
     while it still serves whoever has not noticed yet, and every response closes its
     connection. A second signal stops at once. Stopping closes the listening socket; the
     connections already open serve what they are sent until they close (see
-    ``_HeadTimeoutProtocol.shutdown``).
+    ``CoordinatorProtocol.shutdown``).
     """
 
     def __init__(

@@ -61,7 +61,7 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
     """
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(max_bytes)
+        raise body_too_large(max_bytes)
     try:
         async with asyncio.timeout(timeout_s):  # no task per request, as wait_for makes
             return await _read_limited(request, max_bytes)
@@ -81,12 +81,13 @@ async def _read_limited(request: Request, max_bytes: int) -> bytes:
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_bytes:
-            raise _too_large(max_bytes)
+            raise body_too_large(max_bytes)
         chunks.append(chunk)
     return b"".join(chunks)
 
 
-def _too_large(max_bytes: int) -> RequestError:
+def body_too_large(max_bytes: int) -> RequestError:
+    """The 413 of a body over ``max_bytes`` (``--max-request-body-bytes``)."""
     return RequestError(
         f"the request body is larger than {max_bytes} bytes (--max-request-body-bytes)",
         status=413,

@@ -20,24 +20,35 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 
-from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from corefleet.engine.openai.admission import RETRY_HEADERS, ApiKeys, unauthorized
+from corefleet.engine.openai.admission import ApiKeys, unauthorized
 from corefleet.engine.openai.errors import RequestError
+from corefleet.engine.openai.replies import Reply, StreamReply, error_reply
 
 logger = logging.getLogger(__name__)
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
-def error_response(err: RequestError) -> JSONResponse:
+def reply_response(reply: Reply) -> Response:
+    """A generation handler's :data:`Reply` as a Starlette response."""
+    if isinstance(reply, StreamReply):
+        return StreamingResponse(reply.events, media_type="text/event-stream")
+    return Response(
+        reply.body,
+        status_code=reply.status,
+        headers=dict(reply.headers),
+        media_type="application/json",
+    )
+
+
+def error_response(err: RequestError) -> Response:
     """``err`` as an OpenAI error body with its status (and ``Retry-After`` on 429 and 503)."""
-    headers = RETRY_HEADERS if err.status in (429, 503) else None
-    return JSONResponse(err.to_response().model_dump(), status_code=err.status, headers=headers)
+    return reply_response(error_reply(err))
 
 
 class ApiFront:

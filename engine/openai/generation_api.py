@@ -1,0 +1,223 @@
+"""The generation endpoints (``POST /v1/completions`` and ``/v1/chat/completions``), apart
+from HTTP: a request body's bytes and the caller's key id in, a :data:`Reply` out.
+
+Before a request costs anything it passes ``admission``: its ``n`` × prompts (``--max-n``) and
+its place among the completions in flight (429); a long prompt is then tokenized in a worker
+thread. Bad input is a 400 with an OpenAI error body naming the field; nothing invalid reaches
+a rank. The coordinator's HTTP protocol calls :meth:`GenerationApi.serve` directly (no ASGI on
+this path); ``api_server.build_app`` calls the same methods for the ASGI app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from corefleet.engine.frontend.input_processor import InputProcessor
+from corefleet.engine.frontend.tokenizer import Tokenizer
+from corefleet.engine.openai import protocol as p
+from corefleet.engine.openai.admission import Ticket, unauthorized
+from corefleet.engine.openai.errors import RequestError, parse_request
+from corefleet.engine.openai.replies import Reply, StreamReply, error_reply, json_reply
+from corefleet.engine.openai.responses import (
+    chat_chunks,
+    chat_response,
+    completion_chunks,
+    completion_response,
+)
+from corefleet.engine.openai.server_state import ServerState
+from corefleet.engine.openai.serving import Generation
+
+# Prompts up to this many characters are tokenized on the event loop: ~0.1 ms at most, less
+# than a hand-off to a worker thread and back.
+INLINE_TOKENIZE_CHARS = 2048
+
+Endpoint = Callable[[bytes, str | None], Awaitable[Reply]]
+
+
+class GenerationApi:
+    """The two generation endpoints over ``state``'s fleet."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.endpoints: dict[str, Endpoint] = {
+            "/v1/completions": self.completions,
+            "/v1/chat/completions": self.chat,
+        }
+
+    def closing(self) -> bool:
+        """True once the server shuts down: every answer then closes its connection."""
+        return self.state.shutting_down
+
+    async def serve(self, path: str, body: bytes, authorization: str | None) -> Reply:
+        """The answer to a POST of ``body`` to ``path`` (one of :attr:`endpoints`), after the
+        key check (401 without a valid key, when keys are configured)."""
+        key_id = None
+        if self.state.api_keys:
+            key_id = self.state.api_keys.identify(authorization)
+            if key_id is None:
+                return error_reply(unauthorized())
+        return await self.endpoints[path](body, key_id)
+
+    async def completions(self, raw: bytes, key_id: str | None) -> Reply:
+        """``POST /v1/completions``."""
+        try:
+            body = parse_request(p.CompletionRequest, raw)
+        except RequestError as err:
+            return error_reply(err)
+        return await self._generate(key_id, body, body.prompt_inputs())
+
+    async def chat(self, raw: bytes, key_id: str | None) -> Reply:
+        """``POST /v1/chat/completions``."""
+        try:
+            body = parse_request(p.ChatCompletionRequest, raw)
+        except RequestError as err:
+            return error_reply(err)
+        return await self._generate(key_id, body, [_ChatPrompt(body.template_messages())])
+
+    async def _generate(
+        self,
+        key_id: str | None,
+        body: p.CompletionRequest | p.ChatCompletionRequest,
+        prompts: list[Any],
+    ) -> Reply:
+        """Admit, start and answer one generation request. Its place among the requests in
+        flight is held until the answer is complete, the stream ends or the client goes away."""
+        state = self.state
+        try:
+            ticket = _admit(state, key_id, body, len(prompts))
+        except RequestError as err:
+            return error_reply(err)
+        try:
+            generation = await _start(state, body, prompts)
+        except RequestError as err:
+            ticket.release()
+            return error_reply(err)
+        name, metrics = state.model_name, state.metrics
+        if body.stream:
+            if isinstance(body, p.CompletionRequest):
+                events = completion_chunks(name, metrics, body, generation)
+            else:
+                events = chat_chunks(name, metrics, body, generation)
+            return StreamReply(_released(ticket, events))
+        try:
+            if isinstance(body, p.CompletionRequest):
+                return json_reply(await completion_response(name, metrics, body, generation))
+            return json_reply(await chat_response(name, metrics, body, generation))
+        finally:
+            ticket.release()
+
+
+def _admit(
+    state: ServerState,
+    key_id: str | None,
+    body: p.CompletionRequest | p.ChatCompletionRequest,
+    num_prompts: int,
+) -> Ticket:
+    """Checks that need no tokenizing, then a place among the requests in flight (or 429)."""
+    if body.model is not None and body.model != state.model_name:
+        raise RequestError(
+            f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
+    state.engine_info()  # 503 while no rank is ready
+    _check_choices(body, num_prompts, state.max_n())
+    return state.limiter.admit(key_id, (body.n or 1) * num_prompts)
+
+
+def _check_choices(
+    body: p.CompletionRequest | p.ChatCompletionRequest, num_prompts: int, max_n: int
+) -> None:
+    """400 unless ``n``, ``best_of`` and n × prompts are all within ``max_n``."""
+    best_of = getattr(body, "best_of", None)
+    for param, value in (("n", body.n or 1), ("best_of", best_of or 1)):
+        if value > max_n:
+            raise RequestError(
+                f"{param}={value}: this server allows at most {max_n} completions per request "
+                "(--max-n)",
+                param=param,
+            )
+    if (body.n or 1) * num_prompts > max_n:
+        raise RequestError(
+            f"the request asks for {(body.n or 1) * num_prompts} completions ({num_prompts} "
+            f"prompts × n={body.n or 1}); this server allows at most {max_n} per request "
+            "(--max-n)",
+            param="prompt",
+        )
+
+
+@dataclass
+class _ChatPrompt:
+    """A conversation, rendered and tokenized off the event loop like a text prompt."""
+
+    messages: list[dict[str, str]]
+
+
+async def _start(
+    state: ServerState,
+    body: p.CompletionRequest | p.ChatCompletionRequest,
+    prompts: list[Any],
+) -> Generation:
+    """Tokenize and validate, then start the generation. Long prompts go to a worker thread
+    (tokenizing them takes a while and must not stall every other request); short ones are
+    tokenized at once, since handing them to a thread costs more than tokenizing them."""
+    info = state.engine_info()
+    params = p.to_sampling_params(body, info.vocab_size)
+    inputs = InputProcessor(state.tokenizer, info.max_model_len, info.vocab_size)
+    request_id = Generation.new_id()
+
+    def build() -> Generation:
+        rendered = [_render(state.tokenizer, inputs, x) for x in prompts]
+        return Generation(state.fleet, state.tokenizer, inputs, rendered, params, request_id)
+
+    try:
+        if _text_chars(prompts) <= INLINE_TOKENIZE_CHARS:
+            return build()
+        return await asyncio.to_thread(build)
+    except ValueError as exc:  # a prompt too long, or a template refusing the conversation
+        # A refusal no JSON Schema can foresee (too many tokens, a template's rule) carries
+        # the code the OpenAPI document lists for it.
+        code = getattr(exc, "code", None)
+        raise RequestError(str(exc), param=_blamed_field(body, str(exc)), code=code) from None
+
+
+def _text_chars(prompts: list[Any]) -> int:
+    """The characters of text a request's prompts hold (token id lists hold none)."""
+    total = 0
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            total += len(prompt)
+        elif isinstance(prompt, _ChatPrompt):
+            total += sum(len(str(m.get("content") or "")) for m in prompt.messages)
+        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            total += len(prompt["prompt"])
+    return total
+
+
+def _blamed_field(body: p.CompletionRequest | p.ChatCompletionRequest, message: str) -> str:
+    """The request field a prompt-processing error is about, as the client named it."""
+    if message.startswith("max_tokens="):  # the output budget does not fit the context
+        chat_budget = getattr(body, "max_completion_tokens", None)
+        return "max_tokens" if chat_budget is None else "max_completion_tokens"
+    return "messages" if isinstance(body, p.ChatCompletionRequest) else "prompt"
+
+
+def _render(tokenizer: Tokenizer, inputs: InputProcessor, prompt: Any) -> Any:
+    if not isinstance(prompt, _ChatPrompt):
+        return prompt
+    text = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True)
+    inputs.check_text_length(text)
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
+async def _released(ticket: Ticket, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``events``, giving the ticket back when the stream ends, fails or is abandoned."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        ticket.release()

@@ -1,0 +1,57 @@
+"""What the coordinator's HTTP handlers share: the fleet, the tokenizer, keys, limits, metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from corefleet.engine.coordinator.fleet_client import FleetClient
+from corefleet.engine.frontend.tokenizer import Tokenizer
+from corefleet.engine.messages import ReadyResponse
+from corefleet.engine.openai.admission import ApiKeys, InFlightLimiter
+from corefleet.engine.openai.errors import RequestError
+from corefleet.engine.openai.limits import FALLBACK_MAX_N, RequestLimits
+from corefleet.engine.openai.metrics import ServingMetrics
+
+
+@dataclass
+class ServerState:
+    """What the HTTP handlers share: the fleet, the tokenizer, the keys and the limits."""
+
+    fleet: FleetClient
+    tokenizer: Tokenizer
+    model_name: str
+    api_keys: ApiKeys
+    metrics: ServingMetrics
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    shutting_down: bool = False
+
+    def __post_init__(self) -> None:
+        self.limiter = InFlightLimiter(
+            self.max_concurrent, self.limits.max_concurrent_requests_per_key
+        )
+        self.metrics.watch_admission(self.limiter)
+
+    def engine_info(self) -> ReadyResponse:
+        # A coordinator shutting down still serves what reaches it (its readiness sends new
+        # clients elsewhere, and each response closes its connection): refusing would fail
+        # requests that a rolling update must not fail.
+        ranks = self.fleet.membership.accepting()
+        if not ranks or ranks[0].info is None:
+            raise RequestError(
+                "no engine rank is ready yet; retry shortly", status=503, type="server_error"
+            )
+        return ranks[0].info
+
+    def max_n(self) -> int:
+        """The most completions one request may ask for now (``--max-n`` or the ranks')."""
+        ranks = self.fleet.membership.accepting()
+        info = ranks[0].info if ranks else None
+        return self.limits.effective_max_n(info.max_num_seqs if info else None)
+
+    def max_concurrent(self) -> int:
+        """The server-wide bound on completions in flight, following the ready ranks."""
+        total = sum(
+            (m.info.max_num_seqs if m.info else 0) or FALLBACK_MAX_N
+            for m in self.fleet.membership.accepting()
+        )
+        return self.limits.effective_max_concurrent(total or FALLBACK_MAX_N)
