@@ -108,9 +108,7 @@ class CoordinatorProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._awaiting_head:  # bytes of a head: it must complete in time
             self._arm_head_timer()
-        super().data_received(data)
-        if not self._awaiting_head:  # the head is in; the request takes over
-            self._cancel_head_timer()
+        super().data_received(data)  # on_headers_complete stops the clock
 
     def on_message_complete(self) -> None:
         self._awaiting_head = True
@@ -162,7 +160,8 @@ class CoordinatorProtocol(HttpToolsProtocol):
     # -- the native generation routes ----------------------------------------------------
 
     def on_headers_complete(self) -> None:
-        self._awaiting_head = False
+        self._awaiting_head = False  # the head is in; the request takes over
+        self._cancel_head_timer()
         path = self._native_path()
         if path is None:
             super().on_headers_complete()

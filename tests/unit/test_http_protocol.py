@@ -328,3 +328,15 @@ def test_a_head_that_never_completes_is_cut(server: Server) -> None:
     with server.connect() as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         assert Reader(sock).closed()  # within the 1 s head timeout, not the 30 s socket one
+
+
+def test_a_busy_connection_outlives_the_head_timeout(server: Server) -> None:
+    # Requests arrive whole, one after another, for three times the 1 s head timeout: the
+    # deadline is on each head, never on the connection.
+    with server.connect() as sock:
+        reader = Reader(sock)
+        started = time.monotonic()
+        while time.monotonic() - started < 3.0:
+            sock.sendall(post({"i": 1}))
+            assert reader.response()[0] == 200
+            time.sleep(0.05)
