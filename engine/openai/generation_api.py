@@ -17,6 +17,7 @@ from typing import Any
 
 from corefleet.engine.frontend.input_processor import InputProcessor
 from corefleet.engine.frontend.tokenizer import Tokenizer
+from corefleet.engine.messages import ReadyResponse
 from corefleet.engine.openai import protocol as p
 from corefleet.engine.openai.admission import Ticket, unauthorized
 from corefleet.engine.openai.errors import RequestError, parse_request
@@ -87,11 +88,11 @@ class GenerationApi:
         flight is held until the answer is complete, the stream ends or the client goes away."""
         state = self.state
         try:
-            ticket = _admit(state, key_id, body, len(prompts))
+            ticket, info = _admit(state, key_id, body, len(prompts))
         except RequestError as err:
             return error_reply(err)
         try:
-            generation = await _start(state, body, prompts)
+            generation = await _start(state, info, body, prompts)
         except RequestError as err:
             ticket.release()
             return error_reply(err)
@@ -115,8 +116,9 @@ def _admit(
     key_id: str | None,
     body: p.CompletionRequest | p.ChatCompletionRequest,
     num_prompts: int,
-) -> Ticket:
-    """Checks that need no tokenizing, then a place among the requests in flight (or 429)."""
+) -> tuple[Ticket, ReadyResponse]:
+    """Checks that need no tokenizing, then a place among the requests in flight (or 429).
+    Also returns what the first ready rank said of itself (limits, vocabulary)."""
     if body.model is not None and body.model != state.model_name:
         raise RequestError(
             f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
@@ -124,9 +126,9 @@ def _admit(
             param="model",
             code="model_not_found",
         )
-    state.engine_info()  # 503 while no rank is ready
-    _check_choices(body, num_prompts, state.max_n())
-    return state.limiter.admit(key_id, (body.n or 1) * num_prompts)
+    info = state.engine_info()  # 503 while no rank is ready
+    _check_choices(body, num_prompts, state.limits.effective_max_n(info.max_num_seqs))
+    return state.limiter.admit(key_id, (body.n or 1) * num_prompts), info
 
 
 def _check_choices(
@@ -159,13 +161,13 @@ class _ChatPrompt:
 
 async def _start(
     state: ServerState,
+    info: ReadyResponse,
     body: p.CompletionRequest | p.ChatCompletionRequest,
     prompts: list[Any],
 ) -> Generation:
     """Tokenize and validate, then start the generation. Long prompts go to a worker thread
     (tokenizing them takes a while and must not stall every other request); short ones are
     tokenized at once, since handing them to a thread costs more than tokenizing them."""
-    info = state.engine_info()
     params = p.to_sampling_params(body, info.vocab_size)
     inputs = InputProcessor(state.tokenizer, info.max_model_len, info.vocab_size)
     request_id = Generation.new_id()
