@@ -19,7 +19,9 @@ Per run, alternating, each on its own free port:
   events (one token each) per second across all streams;
 - with ``--api-server-counts 1,2``: the same two loads through ``serve --api-server-count N``
   for each N (N coordinator processes on one port, every rank joined to each), CPU summed over
-  the API processes.
+  the API processes;
+- with ``--baseline-engine DIR``: the coordinator of another checkout (``DIR`` is its
+  ``engine/``, e.g. from ``git worktree add``), under the same loads in every run.
 
 The load is ``benchmarks/http_load.py`` (raw keep-alive sockets, ``--load-processes`` worker
 processes), the same for every server. The coordinator's CPU (its process alone, ranks apart) is
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import os
 import signal
@@ -40,6 +43,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from typing import Any
@@ -91,9 +95,15 @@ def serve_trivial(port: int, stack: str) -> None:
     uvicorn.Server(config).run()
 
 
-def start(argv: list[str], port: int, timeout: float = 180.0) -> subprocess.Popen[bytes]:
+def start(
+    argv: list[str], port: int, timeout: float = 180.0, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
-        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        argv,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env=env,
     )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -174,14 +184,38 @@ def one_run(args: argparse.Namespace) -> dict[str, float]:
             stop(trivial)
     for count in args.api_server_counts:
         row |= coordinator_figures(args, count, short, row)
+    if args.baseline_engine:
+        row |= coordinator_figures(args, 1, short, row, baseline_env(args.baseline_engine))
     return row
 
 
+def baseline_env(engine_dir: str) -> dict[str, str]:
+    """An environment whose ``corefleet.engine`` is ``engine_dir`` (another checkout's
+    ``engine/``), the kernels staying this one's: a folder on ``PYTHONPATH`` that links both
+    comes before the editable install."""
+    shim = os.path.join(tempfile.gettempdir(), f"corefleet-baseline-{os.getpid()}")
+    package = os.path.join(shim, "corefleet")
+    os.makedirs(package, exist_ok=True)
+    kernels = os.path.dirname(importlib.util.find_spec("corefleet.kernels").origin or "")
+    for name, target in (("engine", os.path.abspath(engine_dir)), ("kernels", kernels)):
+        link = os.path.join(package, name)
+        if not os.path.islink(link):
+            os.symlink(target, link)
+    return {**os.environ, "PYTHONPATH": shim}
+
+
 def coordinator_figures(
-    args: argparse.Namespace, count: int, short: dict[str, Any], trivial: dict[str, float]
+    args: argparse.Namespace,
+    count: int,
+    short: dict[str, Any],
+    trivial: dict[str, float],
+    env: dict[str, str] | None = None,
 ) -> dict[str, float]:
-    """Short completions and SSE through ``serve --api-server-count count``."""
+    """Short completions and SSE through ``serve --api-server-count count`` (with ``env``:
+    the baseline checkout's coordinator)."""
     name = "coordinator" if count == 1 else f"{count} coordinators"
+    if env is not None:
+        name = "baseline coordinator"
     row: dict[str, float] = {}
     port = free_port()
     argv = [sys.executable, "-m", "corefleet.engine.cli", "serve", "--host", "127.0.0.1"]
@@ -189,7 +223,7 @@ def coordinator_figures(
     argv += ["--api-server-count", str(count)]
     argv += ["--data-parallel-size", str(args.ranks), "--distributed-executor-backend"]
     argv += [NULL_EXECUTOR, *args.corefleet_args.split()]
-    server = start(argv, port)
+    server = start(argv, port, env=env)
     try:
         if count > 1:  # every API process must have a rank before the load starts
             time.sleep(5.0)
@@ -246,6 +280,11 @@ def main() -> None:
         type=lambda text: [int(n) for n in text.split(",")],
         default=[1],
         help="measure `serve --api-server-count N` for each N (e.g. 1,2)",
+    )
+    parser.add_argument(
+        "--baseline-engine",
+        help="another checkout's engine/ folder (e.g. from `git worktree add`): its "
+        "coordinator is measured too, in every run",
     )
     parser.add_argument("--json", help="write every run's figures here")
     parser.add_argument("--trivial-server", type=int, help=argparse.SUPPRESS)
