@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 
@@ -74,56 +74,46 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` naming the first out-of-range parameter."""
-        _check(self.n >= 1, "n", self.n, "must be at least 1")
-        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
-        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
-        _check(self.top_k >= -1, "top_k", self.top_k, "must be -1, 0 (off) or positive")
-        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
-        _check(
-            -2.0 <= self.presence_penalty <= 2.0,
-            "presence_penalty",
-            self.presence_penalty,
-            "must be in [-2, 2]",
-        )
-        _check(
-            -2.0 <= self.frequency_penalty <= 2.0,
-            "frequency_penalty",
-            self.frequency_penalty,
-            "must be in [-2, 2]",
-        )
-        _check(
-            0.0 < self.repetition_penalty <= 2.0,
-            "repetition_penalty",
-            self.repetition_penalty,
-            "must be in (0, 2]",
-        )
+        # Each rule is a plain test; the message is built only for a failure (this runs for
+        # every request, twice on the coordinator).
+        if not self.n >= 1:
+            _fail("n", self.n, "must be at least 1")
+        if not self.temperature >= 0.0:
+            _fail("temperature", self.temperature, "must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("top_p", self.top_p, "must be in (0, 1]")
+        if not self.top_k >= -1:
+            _fail("top_k", self.top_k, "must be -1, 0 (off) or positive")
+        if not 0.0 <= self.min_p <= 1.0:
+            _fail("min_p", self.min_p, "must be in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            _fail("presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            _fail("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            _fail("repetition_penalty", self.repetition_penalty, "must be in (0, 2]")
         if self.max_tokens is not None:
-            _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be at least 1")
-            _check(
-                self.min_tokens <= self.max_tokens,
-                "min_tokens",
-                self.min_tokens,
-                f"must not exceed max_tokens ({self.max_tokens})",
-            )
-        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
-        if self.logprobs is not None:
-            _check(0 <= self.logprobs <= 20, "logprobs", self.logprobs, "must be in [0, 20]")
-        _check(
-            all(isinstance(s, str) and s for s in self.stop),
-            "stop",
-            self.stop,
-            "must be non-empty strings",
-        )
-        if self.seed is not None:
-            _check(0 <= self.seed < 2**63, "seed", self.seed, "must be in [0, 2**63)")
-        if vocab_size is not None:
+            if not self.max_tokens >= 1:
+                _fail("max_tokens", self.max_tokens, "must be at least 1")
+            if not self.min_tokens <= self.max_tokens:
+                rule = f"must not exceed max_tokens ({self.max_tokens})"
+                _fail("min_tokens", self.min_tokens, rule)
+        if not self.min_tokens >= 0:
+            _fail("min_tokens", self.min_tokens, "must be >= 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            _fail("logprobs", self.logprobs, "must be in [0, 20]")
+        if self.stop and not all(isinstance(s, str) and s for s in self.stop):
+            _fail("stop", self.stop, "must be non-empty strings")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            _fail("seed", self.seed, "must be in [0, 2**63)")
+        if vocab_size is not None and self.stop_token_ids:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-            _check(not bad, "stop_token_ids", bad, f"must be token ids below {vocab_size}")
+            if bad:
+                _fail("stop_token_ids", bad, f"must be token ids below {vocab_size}")
 
 
-def _check(ok: bool, field: str, value: object, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"invalid sampling parameter {field}={value!r}: {rule}")
+def _fail(field: str, value: object, rule: str) -> NoReturn:
+    raise ValueError(f"invalid sampling parameter {field}={value!r}: {rule}")
 
 
 def validate_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
