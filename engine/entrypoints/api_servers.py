@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 import msgspec
 
 from corefleet.engine import envs
+from corefleet.engine.entrypoints import event_loop
 from corefleet.engine.entrypoints.coordinator import CoordinatorOptions, run
 from corefleet.engine.entrypoints.local_ranks import LocalRanks
 from corefleet.engine.entrypoints.respawn import Respawner
@@ -184,7 +185,7 @@ def main() -> int:
         format=f"%(asctime)s %(levelname)s api-{spec.index} %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    return asyncio.run(run(spec.options, listen_fd=spec.listen_fd, parent_fd=spec.parent_fd))
+    return event_loop.run(run(spec.options, listen_fd=spec.listen_fd, parent_fd=spec.parent_fd))
 
 
 if __name__ == "__main__":

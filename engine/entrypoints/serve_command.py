@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from corefleet.engine import envs
 from corefleet.engine.engine_args import engine_config_from_args
+from corefleet.engine.entrypoints import event_loop
 from corefleet.engine.entrypoints.coordinator import CoordinatorOptions, run
 from corefleet.engine.entrypoints.local_ranks import LocalRanks
 from corefleet.engine.entrypoints.rank_cpus import plan_from_args
@@ -37,7 +37,7 @@ def serve_command(args: argparse.Namespace) -> int:
             shutdown_delay_s=args.shutdown_delay,
             curve_keys_dir=args.curve_keys_dir,
         )
-        return asyncio.run(run(options))
+        return event_loop.run(run(options))
     config = engine_config_from_args(args)
     if args.data_parallel_size < 1:
         raise ValueError("--data-parallel-size must be at least 1")
@@ -67,7 +67,7 @@ def serve_command(args: argparse.Namespace) -> int:
         rank_cpus=plan_from_args(args),
     )
     if args.api_server_count == 1:
-        return asyncio.run(run(options, ranks))  # one process serves and supervises the ranks
+        return event_loop.run(run(options, ranks))  # one process serves and supervises the ranks
     from corefleet.engine.entrypoints.api_servers import LocalApiServers, run_supervisor
 
-    return asyncio.run(run_supervisor(LocalApiServers(options, args.api_server_count), ranks))
+    return event_loop.run(run_supervisor(LocalApiServers(options, args.api_server_count), ranks))
