@@ -21,6 +21,7 @@ from corefleet.engine.messages import ReadyResponse
 from corefleet.engine.openai import protocol as p
 from corefleet.engine.openai.admission import Ticket, unauthorized
 from corefleet.engine.openai.errors import RequestError, parse_request
+from corefleet.engine.openai.extra_fields import check_extra_fields
 from corefleet.engine.openai.replies import Reply, StreamReply, error_reply, json_reply
 from corefleet.engine.openai.responses import (
     chat_chunks,
@@ -66,6 +67,7 @@ class GenerationApi:
         """``POST /v1/completions``."""
         try:
             body = parse_request(p.CompletionRequest, raw)
+            check_extra_fields(body.model_extra, "completions")
         except RequestError as err:
             return error_reply(err)
         return await self._generate(key_id, body, body.prompt_inputs())
@@ -74,6 +76,7 @@ class GenerationApi:
         """``POST /v1/chat/completions``."""
         try:
             body = parse_request(p.ChatCompletionRequest, raw)
+            check_extra_fields(body.model_extra, "chat")
         except RequestError as err:
             return error_reply(err)
         return await self._generate(key_id, body, [_ChatPrompt(body.template_messages())])

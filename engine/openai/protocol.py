@@ -1,8 +1,10 @@
 """OpenAI-compatible request models and their conversion to engine types; the response models
 (``response_models``) are re-exported here, so the API's models are all ``protocol.X``.
 
-Requests: unknown fields are ignored (``extra="ignore"``): SDKs and proxies add their own
-(``extra_body`` keys, newer OpenAI parameters) and refusing them breaks clients. Known fields
+Requests: the two endpoints keep fields they do not declare (``extra="allow"``) for
+``extra_fields.check_extra_fields``: one that would change the answer (``guided_json``,
+``tool_choice``...) gets a 400, any other is ignored with a warning (SDKs and proxies add their
+own, and refusing them breaks clients). Nested objects ignore theirs. Known fields
 are strict: ``"temperature": "0.5"`` or ``"stream": 1`` fail, as at OpenAI, instead of being
 coerced (an int is fine for a float, and ``5.0`` for an int: JSON does not tell them apart);
 ``null`` means the default. Known parameters we cannot
@@ -122,7 +124,8 @@ class ChatMessage(BaseModel):
 class _SamplingRequest(BaseModel):
     """Fields common to both endpoints: OpenAI's, then vLLM's extras."""
 
-    model_config = _REQUEST_CONFIG
+    # Undeclared fields are kept (``model_extra``) to be checked: ``extra_fields.py``.
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     model: str | None = None  # None: the served model (vLLM accepts that too)
     # At most --max-n (n × prompts): checked against the ranks' batch size when served.
     n: PositiveInt64 | None = 1

@@ -119,6 +119,30 @@ def test_bad_requests_are_400s_naming_the_field(client: openai.OpenAI, server: s
     assert client.completions.create(model="m", prompt="x", max_tokens=2).choices[0].text
 
 
+def test_fields_that_would_change_the_answer_are_400s_and_unknown_ones_pass(
+    client: openai.OpenAI,
+) -> None:
+    messages: Any = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError, match="guided decoding") as err:
+        client.chat.completions.create(
+            model="m",
+            messages=messages,
+            max_tokens=2,
+            extra_body={"guided_json": {"type": "object"}},
+        )
+    assert err.value.body["param"] == "guided_json"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="m", messages=messages, tool_choice="required")
+    assert err.value.body["param"] == "tool_choice"  # type: ignore[index]
+    answered = client.completions.create(
+        model="m",
+        prompt="x",
+        max_tokens=2,
+        extra_body={"guided_json": None, "tool_choice": "none", "x_proxy_tag": "a"},
+    )
+    assert answered.choices[0].finish_reason == "length"
+
+
 def _engines_until(server: str, done: Any, what: str) -> list[dict[str, Any]]:
     """``/admin/engines`` polled until ``done(engines)``; every wait has a timeout."""
     headers = {"Authorization": f"Bearer {API_KEY}"}

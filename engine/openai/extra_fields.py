@@ -1,0 +1,141 @@
+"""Request fields beyond the ones the request models declare: refused when they would change
+the answer, otherwise ignored with a warning in the log.
+
+Clients send more than OpenAI's core parameters: vLLM's extras (``guided_json``,
+``structured_outputs``, ``prompt_logprobs``...), newer OpenAI ones (``tool_choice``,
+``modalities``...), and whatever an SDK or a proxy adds. Ignoring a field that constrains or
+reshapes the output would answer a different question with a 200, so each field in
+:data:`REFUSED` gets a 400 naming it, unless its value is one that changes nothing (null, or
+the behaviour this server has anyway). Any other field is ignored, as vLLM does, and named in a
+warning, except the known ones that change nothing (:data:`IGNORED_QUIETLY`).
+``docs/coordinator.md`` lists all three kinds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from corefleet.engine.openai.errors import RequestError
+
+logger = logging.getLogger(__name__)
+
+# At most this many unknown names, each cut to this many characters, go into one warning.
+_MAX_NAMES_LOGGED = 16
+_MAX_NAME_CHARS = 64
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A field this server does not implement: ``what`` it asks for, and which values of it
+    change nothing (``None`` always does)."""
+
+    what: str
+    harmless: Callable[[Any], bool] = lambda value: False
+
+
+def _one_of(*values: Any) -> Callable[[Any], bool]:
+    return lambda value: any(value == v and type(value) is type(v) for v in values)
+
+
+def _empty(value: Any) -> bool:
+    return isinstance(value, (list, dict, str)) and not value
+
+
+def _text_format(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("type", "text") == "text"
+
+
+_GUIDED = "guided decoding (constrained output)"
+
+# Both endpoints. vLLM's names first, then OpenAI's.
+_COMMON: dict[str, Refused] = {
+    "structured_outputs": Refused("structured outputs (constrained output)"),
+    "guided_json": Refused(_GUIDED),
+    "guided_regex": Refused(_GUIDED),
+    "guided_choice": Refused(_GUIDED),
+    "guided_grammar": Refused(_GUIDED),
+    "prompt_logprobs": Refused("prompt logprobs"),
+    "bad_words": Refused("bad_words", _empty),
+    "allowed_token_ids": Refused("allowed_token_ids"),
+    "logits_processors": Refused("logits processors", _empty),
+    "use_beam_search": Refused("beam search", _one_of(False)),
+    "truncate_prompt_tokens": Refused("prompt truncation"),
+    "return_tokens_as_token_ids": Refused("tokens returned as token ids", _one_of(False)),
+    "return_token_ids": Refused("token ids in the response", _one_of(False)),
+    "vllm_xargs": Refused("vllm_xargs (custom sampling extensions)", _empty),
+    "spaces_between_special_tokens": Refused("spaces_between_special_tokens"),
+    "tool_choice": Refused("tool calling", _one_of("none", "auto")),
+    "functions": Refused("function calling", _empty),
+    "function_call": Refused("function calling", _one_of("none", "auto")),
+    "modalities": Refused("output modalities other than text", _one_of(["text"])),
+    "audio": Refused("audio output"),
+    "reasoning_effort": Refused("reasoning_effort"),
+    "web_search_options": Refused("web search"),
+}
+
+REFUSED: Mapping[str, Mapping[str, Refused]] = {
+    "completions": _COMMON
+    | {
+        # The chat request declares response_format itself (refused there unless text).
+        "response_format": Refused("structured output", _text_format),
+        "add_special_tokens": Refused("add_special_tokens=false", _one_of(True)),
+    },
+    "chat": _COMMON
+    | {
+        "add_generation_prompt": Refused("add_generation_prompt=false", _one_of(True)),
+        "continue_final_message": Refused("continue_final_message", _one_of(False)),
+        "add_special_tokens": Refused("add_special_tokens=true", _one_of(False)),
+        "chat_template": Refused("a chat template per request"),
+        "chat_template_kwargs": Refused("chat template arguments", _empty),
+        "documents": Refused("documents for the chat template", _empty),
+        "echo": Refused("echo", _one_of(False)),
+    },
+}
+
+
+# Known fields that change nothing in the answer: ignored without a word. OpenAI's bookkeeping
+# and hints, and vLLM's fields that only matter next to a refused one.
+IGNORED_QUIETLY = frozenset(
+    {
+        "metadata",
+        "store",
+        "service_tier",
+        "parallel_tool_calls",  # only with tools, which are refused
+        "prediction",  # predicted outputs: a speed hint
+        "priority",
+        "request_id",
+        "guided_decoding_backend",  # only with a guided_* field, which is refused
+        "guided_whitespace_pattern",
+        "length_penalty",  # only with beam search, which is refused
+    }
+)
+
+
+def check_extra_fields(extra: Mapping[str, Any] | None, endpoint: str) -> None:
+    """Refuse the first field of ``extra`` (the request's undeclared fields) that
+    :data:`REFUSED` lists for ``endpoint`` with a value that would change the answer; log the
+    names of the others, which are ignored (those in :data:`IGNORED_QUIETLY` without a word).
+
+    Raises:
+        RequestError: 400 naming the field.
+    """
+    if not extra:
+        return
+    refused = REFUSED[endpoint]
+    unknown = []
+    for name, value in extra.items():
+        rule = refused.get(name)
+        if rule is None:
+            if name not in IGNORED_QUIETLY:
+                unknown.append(name)
+        elif value is not None and not rule.harmless(value):
+            raise RequestError(f"{name}: {rule.what} is not supported by this server", param=name)
+    if unknown:
+        shown = ", ".join(repr(n[:_MAX_NAME_CHARS]) for n in unknown[:_MAX_NAMES_LOGGED])
+        more = len(unknown) - _MAX_NAMES_LOGGED
+        logger.warning(
+            "ignored unknown request field(s): %s%s", shown, f" and {more} more" if more > 0 else ""
+        )
