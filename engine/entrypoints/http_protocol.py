@@ -1,10 +1,11 @@
 """The coordinator's HTTP/1.1 protocol: uvicorn's httptools protocol, plus two things.
 
-- **A deadline on each request head.** uvicorn closes a connection idle *between* requests
-  (``timeout_keep_alive``) but waits forever for the head of one: a client that connects and
-  sends nothing, or sends its headers a byte at a time (slowloris), holds a connection for
-  good. Here a head not complete within ``head_timeout_s`` of its first byte (or of the
-  connection) closes the connection.
+- **A deadline and a size bound on each request head.** uvicorn closes a connection idle
+  *between* requests (``timeout_keep_alive``) but waits forever for the head of one: a client
+  that connects and sends nothing, or sends its headers a byte at a time (slowloris), holds a
+  connection for good. Here a head not complete within ``head_timeout_s`` of its first byte
+  (or of the connection) closes the connection, and one past :data:`MAX_HEAD_BYTES` or
+  :data:`MAX_HEADERS` gets 431.
 - **The generation POSTs without ASGI.** ``POST /v1/completions`` and
   ``/v1/chat/completions`` go from the parser straight to :class:`NativeRoutes` (the
   coordinator's ``GenerationApi``) and their answer straight to the socket: a JSON answer in
@@ -43,6 +44,17 @@ _SSE_TYPE = b"content-type: text/event-stream; charset=utf-8\r\n"
 _CHUNKED = b"transfer-encoding: chunked\r\n"
 _CLOSE = b"connection: close\r\n"
 _LAST_CHUNK = b"0\r\n\r\n"
+
+# A request head (request line and headers) larger than this, or with more header lines, gets
+# 431 and the connection is closed. llhttp, httptools' parser, has no bound of its own and
+# uvicorn's protocol keeps every header it is given, so without these one head could grow
+# until the head deadline (2,000,000 headers took 245 MB); h11 stops at 16 KiB.
+MAX_HEAD_BYTES = 64 * 1024
+MAX_HEADERS = 128
+
+
+class _HeadTooLarge(Exception):
+    """Raised from a parser callback to stop parsing a head past the bounds."""
 
 
 class NativeRoutes(Protocol):
@@ -98,6 +110,51 @@ class CoordinatorProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
         self._awaiting_head = True  # until a request's head is complete
+        self._head_bytes = 0
+        self._head_refused: str | None = None  # why a head was too large
+
+    # -- the head's bounds -----------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)  # and ": " and CRLF
+        if len(self.headers) >= MAX_HEADERS:
+            self._head_refused = f"more than {MAX_HEADERS} header lines"
+            raise _HeadTooLarge
+        super().on_header(name, value)
+
+    def _count_head(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._head_refused = f"a request head over {MAX_HEAD_BYTES} bytes"
+            raise _HeadTooLarge
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to what the parser refused; a head past the bounds gets 431."""
+        if self._head_refused is None:
+            super().send_400_response(msg)
+            return
+        body = f"Request Header Fields Too Large: {self._head_refused}".encode()
+        self.transport.write(
+            b"".join(
+                (
+                    STATUS_LINE[431],
+                    b"content-type: text/plain; charset=utf-8\r\n",
+                    b"content-length: %d\r\n" % len(body),
+                    _CLOSE,
+                    b"\r\n",
+                    body,
+                )
+            )
+        )
+        self.transport.close()
 
     # -- the head deadline ---------------------------------------------------------------
 
