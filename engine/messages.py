@@ -48,6 +48,61 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Constrain the output to a grammar: exactly one of the fields, as vLLM's.
+
+    ``json`` is a JSON schema, serialised (a dict is serialised on construction, so the wire
+    type stays a string); ``json_object`` asks for any JSON object; ``regex``, ``choice`` (one
+    of these strings), ``grammar`` (Lark or GBNF/EBNF) and ``structural_tag`` (llguidance's
+    structural tag JSON) as their names say.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):  # type: ignore[unreachable]
+            self.json = msgspec.json.encode(self.json).decode()  # type: ignore[unreachable]
+
+    def kind(self) -> tuple[str, str]:
+        """``(field, its text)`` of the one field set; ``ValueError`` unless exactly one is."""
+        chosen = [
+            (name, value)
+            for name, value in (
+                ("json", self.json),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+                ("json_object", self.json_object or None),
+                ("structural_tag", self.structural_tag),
+            )
+            if value is not None
+        ]
+        if len(chosen) != 1:
+            names = ", ".join(name for name, _ in chosen) or "none"
+            raise ValueError(
+                "invalid sampling parameter structured_outputs: set exactly one of json, regex, "
+                f"choice, grammar, json_object, structural_tag (got {names})"
+            )
+        name, value = chosen[0]
+        if name == "choice":
+            assert isinstance(value, list)
+            if not value or not all(isinstance(c, str) for c in value):
+                raise ValueError(
+                    "invalid sampling parameter structured_outputs.choice: a non-empty list of "
+                    "strings is required"
+                )
+            return name, msgspec.json.encode(value).decode()
+        if name == "json_object":
+            return name, "{}"
+        assert isinstance(value, str)
+        return name, value
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How to pick tokens and when to stop; vLLM's names and defaults.
 
@@ -71,6 +126,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logprobs: int | None = None  # number of top logprobs per generated token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` naming the first out-of-range parameter."""
@@ -110,6 +166,18 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 _fail("stop_token_ids", bad, f"must be token ids below {vocab_size}")
+        if self.structured_outputs is not None:
+            self._validate_structured()
+
+    def _validate_structured(self) -> None:
+        assert self.structured_outputs is not None
+        self.structured_outputs.kind()
+        # A grammar ends by allowing only EOS: without EOS as a stop the request could not end
+        # there, and min_tokens would ban the one token the grammar allows.
+        if self.ignore_eos:
+            _fail("ignore_eos", True, "cannot be combined with structured_outputs")
+        if self.min_tokens:
+            _fail("min_tokens", self.min_tokens, "must be 0 with structured_outputs")
 
 
 def _fail(field: str, value: object, rule: str) -> NoReturn:

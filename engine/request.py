@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 import sys
 import time
-from typing import Protocol
+from concurrent.futures import Future
+from typing import Any, Protocol
 
 from corefleet.engine.messages import EngineCoreRequest, FinishReason, SamplingParams
 
@@ -14,6 +15,7 @@ class RequestStatus(enum.IntEnum):
     """Lifecycle of a request; every status after PREEMPTED is a finished one."""
 
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # queued, its grammar still compiling (structured outputs)
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -98,6 +100,11 @@ class Request:
         # first output token (it reports cache hits), a block filling up (it is hashed), a
         # length limit. The scheduler moves it forward after each full-path token.
         self.next_check_at = self.num_prompt_tokens + 1
+
+        # Structured outputs: the grammar's compile (a Future of the request's matcher) until the
+        # scheduler admits the request, then the matcher it advances with every token.
+        self.grammar_future: Future[Any] | None = None
+        self.matcher: Any = None
 
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher

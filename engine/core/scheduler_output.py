@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from corefleet.engine.messages import Logprobs, SamplingParams
 
 
@@ -45,6 +47,17 @@ class SchedulerOutput:
     # Requests that finished or were preempted since the previous step: runners drop their state.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Requests with a grammar that sample a token this step, in the order of the engine's
+    # grammar bitmask rows (structured outputs); empty for most batches.
+    structured_output_req_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GrammarOutput:
+    """The allowed tokens of a step's constrained requests, computed while the model ran."""
+
+    req_ids: list[str]  # row k of ``allowed`` is for req_ids[k]
+    allowed: np.ndarray  # [K, V] bool
 
 
 @dataclass

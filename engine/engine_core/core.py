@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -12,6 +13,7 @@ from typing import Any, TypeVar
 
 from corefleet.engine.config import EngineConfig
 from corefleet.engine.core.scheduler import Scheduler
+from corefleet.engine.core.scheduler_output import GrammarOutput, SchedulerOutput
 from corefleet.engine.engine_core.startup import StartupClock
 from corefleet.engine.messages import (
     EngineCoreOutputs,
@@ -20,9 +22,11 @@ from corefleet.engine.messages import (
     SchedulerStats,
     validate_prompt,
 )
+from corefleet.engine.frontend.tokenizer import Tokenizer
 from corefleet.engine.models.default_model import served_model_name
 from corefleet.engine.models.loader import load_arch_config, resolve_model_path
 from corefleet.engine.request import Request, RequestStatus
+from corefleet.engine.structured_output.manager import StructuredOutputManager
 from corefleet.engine.worker.executor import Executor, ExecutorFactory, resolve_executor_class
 
 logger = logging.getLogger(__name__)
@@ -76,6 +80,10 @@ class EngineCore:
         # Aborts that arrive from other threads while the model runs; applied before the
         # step's results so a request aborted during its last step ends ABORTED, not LENGTH.
         self.aborts_queue: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
+        # Grammars (structured outputs); the model's tokenizer is loaded by the first one.
+        self.structured_output = StructuredOutputManager(
+            functools.partial(_tokenizer_json, self.model_path), self.vocab_size, self.eos_token_id
+        )
         self._idle_waiters: list[Future[None]] = []
         logger.info(
             "engine ready in %.1f s: max_model_len=%d, %d KV blocks of %d tokens (%d tokens)",
@@ -93,8 +101,14 @@ class EngineCore:
         if not isinstance(request.request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request.request_id).__name__}")
         validate_prompt(request.prompt_token_ids, self.max_model_len, self.vocab_size)
-        request.sampling_params.validate(self.vocab_size)
-        return Request.from_engine_core_request(request, self.eos_token_id, self.block_hasher)
+        params = request.sampling_params
+        params.validate(self.vocab_size)
+        prepared = Request.from_engine_core_request(request, self.eos_token_id, self.block_hasher)
+        if params.structured_outputs is not None:
+            # Compiles in the manager's pool; the scheduler admits the request once it is done.
+            prepared.grammar_future = self.structured_output.grammar_init(params.structured_outputs)
+            prepared.status = RequestStatus.WAITING_FOR_FSM
+        return prepared
 
     def add_request(self, request: Request | EngineCoreRequest) -> None:
         """Queue a request; a wire request is validated first (``ValueError`` if invalid)."""
@@ -114,10 +128,23 @@ class EngineCore:
             return {}, False
         scheduler_output = self.scheduler.schedule()
         future = self.executor.execute_model(scheduler_output, non_block=True)
+        # While the model runs: the allowed tokens of the batch's constrained requests.
+        grammar_output = self._grammar_bitmask(scheduler_output)
         model_output = future.result()
+        if model_output is None:  # the runner waits for the grammar's mask to sample
+            assert grammar_output is not None
+            model_output = self.executor.sample_tokens(grammar_output)
         self._process_aborts_queue()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def _grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        req_ids = scheduler_output.structured_output_req_ids
+        if not req_ids:
+            return None
+        requests = self.scheduler.requests
+        matchers = [requests[req_id].matcher for req_id in req_ids]
+        return GrammarOutput(req_ids, self.structured_output.grammar_bitmask(matchers))
 
     def _process_aborts_queue(self) -> None:
         ids: list[str] = []
@@ -203,7 +230,13 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the executor; the engine cannot step afterwards."""
+        self.structured_output.shutdown()
         self.executor.shutdown()
+
+
+def _tokenizer_json(model_path: str) -> str:
+    """The model's tokenizer as a Hugging Face ``tokenizers`` JSON string (for grammars)."""
+    return Tokenizer.from_model_path(model_path).backend.to_str()
 
 
 def _resolve_max_model_len(config: EngineConfig, model_limit: int) -> EngineConfig:

@@ -11,18 +11,25 @@ import importlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
 from corefleet.engine import envs
 from corefleet.engine.config import EngineConfig
-from corefleet.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from corefleet.engine.core.scheduler_output import (
+    GrammarOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from corefleet.engine.models.loader import load_arch_config
 from corefleet.engine.worker.cpu_allowance import read_allowance
 from corefleet.engine.worker.model_runner import TORCH_DTYPES, ModelRunner
 
 logger = logging.getLogger(__name__)
+
+_Arg = TypeVar("_Arg")
+_Result = TypeVar("_Result")
 
 
 class Executor(Protocol):
@@ -42,8 +49,13 @@ class Executor(Protocol):
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> Future[ModelRunnerOutput]:
-        """Run one step; the future holds its sampled tokens (done on return unless non_block)."""
+    ) -> Future[ModelRunnerOutput | None]:
+        """Run one step; the future holds its sampled tokens (done on return unless non_block),
+        or None when the step has constrained requests: :meth:`sample_tokens` samples it."""
+        ...
+
+    def sample_tokens(self, grammar_output: GrammarOutput) -> ModelRunnerOutput:
+        """Sample the step ``execute_model`` left waiting, under the grammar's mask."""
         ...
 
     def shutdown(self) -> None:
@@ -121,15 +133,18 @@ class UniProcExecutor:
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> Future[ModelRunnerOutput]:
-        future = self._pool.submit(self._run, scheduler_output)
+    ) -> Future[ModelRunnerOutput | None]:
+        future = self._pool.submit(self._run, self.runner.execute_model, scheduler_output)
         if not non_block:
             future.result()
         return future
 
-    def _run(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput) -> ModelRunnerOutput:
+        return self._pool.submit(self._run, self.runner.sample_tokens, grammar_output).result()
+
+    def _run(self, method: Callable[[_Arg], _Result], arg: _Arg) -> _Result:
         try:
-            return self.runner.execute_model(scheduler_output)
+            return method(arg)
         except BaseException:
             logger.exception("execute_model failed")
             if self._failure_callback is not None:

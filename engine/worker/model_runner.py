@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from corefleet.engine.config import EngineConfig
-from corefleet.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from corefleet.engine.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from corefleet.engine.models.arch import ArchConfig
 from corefleet.engine.models.gguf_metadata import release_gguf_reader
 from corefleet.engine.models.llama import KVCache, LlamaForCausalLM
@@ -55,6 +55,8 @@ class ModelRunner:
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[KVCache] = []
         self.sampler = Sampler(argmax=self.backend.argmax)
+        # A forward pass waiting for its grammar mask (structured outputs): its inputs, hidden.
+        self._pending_sample: tuple[StepInputs, torch.Tensor] | None = None
         self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len, self.block_size)
 
     # ---- start-up -------------------------------------------------------------------------
@@ -165,7 +167,9 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run the step's forward pass and sample; None when the step has constrained requests:
+        then :meth:`sample_tokens` samples once the engine has their grammar's mask."""
         if so.total_num_scheduled_tokens == 0:
             self._update_states(so)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -177,7 +181,18 @@ class ModelRunner:
             self.kv_caches,
             meta,
         )  # [T, H]
+        if so.structured_output_req_ids:
+            self._pending_sample = (inputs, hidden)
+            return None
         return self._sample(inputs, hidden)
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput:
+        """Sample the step :meth:`execute_model` left waiting, under the grammar's mask."""
+        assert self._pending_sample is not None, "execute_model() returned a step to sample"
+        inputs, hidden = self._pending_sample
+        self._pending_sample = None
+        return self._sample(inputs, hidden, grammar)
 
     def prepare_step(self, so: SchedulerOutput) -> tuple[StepInputs, AttentionMetadata]:
         """Apply the scheduler's changes to the batch state and build this step's inputs."""
@@ -279,7 +294,9 @@ class ModelRunner:
             max_seq_len=max_seq_len,
         )
 
-    def _sample(self, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+    def _sample(
+        self, inputs: StepInputs, hidden: torch.Tensor, grammar: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
         assert self.model is not None
         sampling_idx = np.flatnonzero(inputs.sample_mask)  # requests that produce a token
         last_token = np.cumsum(inputs.query_lens) - 1  # [B] row of each request's last token
@@ -297,7 +314,8 @@ class ModelRunner:
             vocab_size=self.arch.vocab_size,
             device=self.device,
         )
-        out = self.sampler(logits, meta)
+        allowed = None if grammar is None else self._grammar_rows(grammar, states)
+        out = self.sampler(logits, meta, allowed)
         sampled = out.sampled_token_ids
         self.batch.append_tokens(inputs.rows[sampling_idx], np.asarray(sampled, dtype=np.int64))
         sampled_by_req: list[list[int]] = [[] for _ in inputs.req_ids]
@@ -307,6 +325,17 @@ class ModelRunner:
         return ModelRunnerOutput(
             req_ids=inputs.req_ids, sampled_token_ids=sampled_by_req, logprobs=logprobs
         )
+
+    def _grammar_rows(
+        self, grammar: GrammarOutput, states: list[RequestState]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampled rows of the constrained requests and their allowed tokens ``[K, V]``."""
+        row_of = {state.req_id: k for k, state in enumerate(states)}
+        rows = [row_of[req_id] for req_id in grammar.req_ids]
+        allowed = torch.from_numpy(grammar.allowed)  # [K, V] bool
+        if allowed.shape[1] < self.arch.vocab_size:  # logits padded past the tokenizer's vocab
+            allowed = torch.nn.functional.pad(allowed, (0, self.arch.vocab_size - allowed.shape[1]))
+        return self._to_device(np.asarray(rows, dtype=np.int64)), allowed.to(self.device)
 
     def _ban_stop_tokens_below_min_tokens(
         self, logits: torch.Tensor, states: list[RequestState]

@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from corefleet.engine.config import EngineConfig
-from corefleet.engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from corefleet.engine.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from corefleet.engine.models.loader import load_arch_config
 from corefleet.engine.worker.kv_budget import cpu_kv_cache_budget
 
@@ -36,6 +36,7 @@ class NullExecutor:
         # The smallest id that is not an end-of-sequence token: requests run to max_tokens.
         self.token_id = next(t for t in range(self.arch.vocab_size) if t not in eos)
         self._num_tokens: dict[str, int] = {}  # request id -> tokens it has (prompt + output)
+        self._pending: ModelRunnerOutput | None = None  # a step waiting for its grammar mask
 
     def register_failure_callback(self, callback: Callable[[], None]) -> None:
         """Part of the interface only: a step without a model never fails."""
@@ -61,10 +62,23 @@ class NullExecutor:
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> Future[ModelRunnerOutput]:
-        future: Future[ModelRunnerOutput] = Future()
-        future.set_result(self._step(scheduler_output))
+    ) -> Future[ModelRunnerOutput | None]:
+        future: Future[ModelRunnerOutput | None] = Future()
+        output = self._step(scheduler_output)
+        if scheduler_output.structured_output_req_ids:
+            self._pending, output = output, None  # sampled under the grammar's mask
+        future.set_result(output)
         return future
+
+    def sample_tokens(self, grammar_output: GrammarOutput) -> ModelRunnerOutput:
+        """A constrained request gets the lowest token its grammar allows, the others the fixed
+        token."""
+        output, self._pending = self._pending, None
+        assert output is not None
+        index = {req_id: i for i, req_id in enumerate(output.req_ids)}
+        for req_id, allowed in zip(grammar_output.req_ids, grammar_output.allowed, strict=True):
+            output.sampled_token_ids[index[req_id]] = [int(allowed.argmax())]
+        return output
 
     def _step(self, so: SchedulerOutput) -> ModelRunnerOutput:
         num_tokens = self._num_tokens

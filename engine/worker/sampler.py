@@ -5,7 +5,8 @@ the step's results at the end. Order of operations follows vLLM v1:
 
 1. logprobs to report, from the raw model logits (before penalties and temperature);
 2. repetition, frequency and presence penalties;
-3. greedy rows: argmax; random rows: temperature, min-p, top-k, top-p, then an exponential-race
+3. the grammar's mask (structured outputs): disallowed tokens of constrained rows to ``-inf``;
+4. greedy rows: argmax; random rows: temperature, min-p, top-k, top-p, then an exponential-race
    draw (``argmax(probs / q)`` with ``q ~ Exp(1)``), each seeded row from its own generator.
 
 The caller's logits tensor is never modified.
@@ -25,6 +26,7 @@ __all__ = [
     "Sampler",
     "SamplerOutput",
     "SamplingMetadata",
+    "apply_grammar_mask",
     "apply_min_p",
     "apply_penalties",
     "apply_top_k_top_p",
@@ -59,8 +61,17 @@ class Sampler:
         self.generator = generator
         self.argmax = argmax or _torch_argmax
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Sample from ``logits`` (``[B, V]``, float32) as ``meta`` says."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        meta: SamplingMetadata,
+        allowed: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> SamplerOutput:
+        """Sample from ``logits`` (``[B, V]``, float32) as ``meta`` says.
+
+        ``allowed``: ``(rows [K] int64, mask [K, V] bool)``, the tokens a grammar allows on
+        those rows; the other rows are untouched.
+        """
         expected = (len(meta.num_logprobs), meta.vocab_size)
         if tuple(logits.shape) != expected:
             # Shapes are host metadata: checking them costs no device sync.
@@ -70,6 +81,8 @@ class Sampler:
         raw_logprobs = compute_logprobs(logits) if meta.max_num_logprobs is not None else None
         if not meta.no_penalties:
             logits = apply_penalties(logits, meta)
+        if allowed is not None:
+            logits = apply_grammar_mask(logits, *allowed)
         sampled = self.sample(logits, meta)  # [B] int64
         return _to_output(sampled, raw_logprobs, meta)
 
@@ -124,6 +137,12 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     if meta.presence_penalties is not None:
         logits = torch.addcmul(logits, meta.presence_penalties.unsqueeze(1), in_output, value=-1.0)
     return logits
+
+
+def apply_grammar_mask(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Return new ``[B, V]`` logits where ``rows`` keep only their ``allowed`` ``[K, V]`` tokens."""
+    masked = logits[rows].masked_fill_(~allowed, float("-inf"))  # [K, V], a copy
+    return logits.index_copy(0, rows, masked)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Structured outputs: grammars that constrain what a request may generate (llguidance)."""
