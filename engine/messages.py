@@ -65,8 +65,10 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     structural_tag: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.json, dict):  # type: ignore[unreachable]
-            self.json = msgspec.json.encode(self.json).decode()  # type: ignore[unreachable]
+        # A caller may pass the schema as a dict (as vLLM allows): the wire carries a string.
+        schema: object = self.json
+        if isinstance(schema, dict):
+            self.json = msgspec.json.encode(schema).decode()
 
     def kind(self) -> tuple[str, str]:
         """``(field, its text)`` of the one field set; ``ValueError`` unless exactly one is."""

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 from corefleet.engine.config import CacheConfig, SchedulerConfig
 from corefleet.engine.core.block_hash import make_block_hasher
+from corefleet.engine.core.grammar_steps import ConstrainedRequests
 from corefleet.engine.core.kv_cache import KVCacheBlock, KVCacheManager
 from corefleet.engine.core.request_queue import create_request_queue, preemption_victim
 from corefleet.engine.core.scheduler_output import (
@@ -28,13 +29,7 @@ from corefleet.engine.core.scheduler_output import (
     SchedulerOutput,
 )
 from corefleet.engine.core.step_loops import NO_BLOCKS, collect_outputs, schedule_decodes
-from corefleet.engine.messages import (
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    FinishReason,
-    SchedulerStats,
-    validate_prompt_length,
-)
+from corefleet.engine.messages import EngineCoreOutputs, SchedulerStats, validate_prompt_length
 from corefleet.engine.request import BlockHasher, Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
@@ -90,10 +85,8 @@ class Scheduler:
         self.preempted_req_ids: set[str] = set()
         self.num_preemptions = 0  # cumulative
         self.step_counter = 0
-        # Requests whose grammar failed to compile: (client index, error output), handed out
-        # by the next update_from_output.
-        self._grammar_failures: list[tuple[int, EngineCoreOutput]] = []
-        self.num_constrained = 0  # unfinished requests with a compiled grammar
+        # Structured outputs: which requests have grammars, and those that failed to compile.
+        self.grammars = ConstrainedRequests()
 
     # ----------------------------------------------------------------------------- requests
 
@@ -138,7 +131,7 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         if request.matcher is not None:
-            self.num_constrained -= 1
+            self.grammars.num_constrained -= 1
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -171,22 +164,8 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         self.preempted_req_ids = set()
-        output.structured_output_req_ids = self._constrained_samplers(num_scheduled)
+        output.structured_output_req_ids = self.grammars.samplers(self.requests, num_scheduled)
         return output
-
-    def _constrained_samplers(self, num_scheduled: dict[str, int]) -> list[str]:
-        """The scheduled requests with a grammar that sample a token this step (their prompt
-        is fully computed after it). Costs one attribute test per request only when any
-        running request has a grammar."""
-        if not self.num_constrained:
-            return []
-        requests = self.requests
-        return [
-            req_id
-            for req_id in num_scheduled
-            if (r := requests[req_id]).matcher is not None
-            and r.num_computed_tokens == len(r.all_token_ids)
-        ]
 
     def _schedule_running(
         self, num_scheduled: dict[str, int]
@@ -282,9 +261,11 @@ class Scheduler:
         compiling: list[Request] = []  # grammars not ready: they keep their place in the queue
         while waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
             request = waiting.peek()
-            if request.status == _WAITING_FOR_FSM and not self._grammar_ready(request):
+            if request.status == _WAITING_FOR_FSM and not self.grammars.ready(request):
                 waiting.pop()
-                if request.status == _WAITING_FOR_FSM:
+                if request.is_finished:  # its grammar failed: an error output is on its way
+                    self._free_request(request)
+                else:
                     compiling.append(request)
                 continue
             hit_blocks: list[KVCacheBlock] = []
@@ -322,34 +303,6 @@ class Scheduler:
             waiting.prepend(request)
         return admitted
 
-    def _grammar_ready(self, request: Request) -> bool:
-        """Whether the request's grammar has compiled (it becomes WAITING with its matcher).
-
-        A grammar that failed finishes the request with an error output; it is then not ready
-        either, and no longer queued.
-        """
-        future = request.grammar_future
-        assert future is not None
-        if not future.done():
-            return False
-        request.grammar_future = None
-        error = future.exception()
-        if error is None:
-            request.matcher = future.result()
-            request.status = RequestStatus.WAITING
-            self.num_constrained += 1
-            return True
-        request.status = RequestStatus.FINISHED_ERROR
-        self._free_request(request)
-        message = str(error)
-        self._grammar_failures.append(
-            (
-                request.client_index,
-                EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=message),
-            )
-        )
-        return False
-
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the request's KV cache and queue it at the head."""
         self.kv_cache_manager.free(request)
@@ -373,11 +326,10 @@ class Scheduler:
         """
         outputs, stopped = collect_outputs(self.requests, model_runner_output, self.max_model_len)
         if scheduler_output.structured_output_req_ids:
-            stopped += self._advance_grammars(scheduler_output, model_runner_output, outputs)
-        if self._grammar_failures:
-            for client_index, failed in self._grammar_failures:
-                outputs.setdefault(client_index, []).append(failed)
-            self._grammar_failures = []
+            stopped += self.grammars.advance(
+                self.requests, scheduler_output, model_runner_output, outputs
+            )
+        self.grammars.hand_out_failures(outputs)
         if stopped:
             self._remove_stopped(stopped)
 
@@ -389,38 +341,6 @@ class Scheduler:
                 engine_outputs[0] = EngineCoreOutputs()
             next(iter(engine_outputs.values())).scheduler_stats = self.make_stats()
         return engine_outputs
-
-    def _advance_grammars(
-        self,
-        scheduler_output: SchedulerOutput,
-        model_runner_output: ModelRunnerOutput,
-        outputs: dict[int, list[EngineCoreOutput]],
-    ) -> list[Request]:
-        """Feed each constrained request's token to its matcher.
-
-        The token was sampled under the matcher's own mask, so it is always accepted; a matcher
-        that refuses it anyway (a backend fault) finishes its request with an error rather than
-        letting it run on unconstrained. Returns those requests, still to be removed.
-        """
-        sampled = dict(
-            zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True)
-        )
-        failed: list[Request] = []
-        for req_id in scheduler_output.structured_output_req_ids:
-            request = self.requests.get(req_id)
-            tokens = sampled.get(req_id)
-            if request is None or not tokens or request.matcher is None:
-                continue  # finished while the model ran
-            if request.matcher.consume_tokens(tokens):
-                continue
-            message = f"the grammar refused token {tokens}: {request.matcher.get_error()}"
-            if request.is_finished:
-                continue  # it stopped on this very token (EOS): nothing more to say
-            request.status = RequestStatus.FINISHED_ERROR
-            output = EngineCoreOutput(req_id, [], finish_reason=FinishReason.ERROR, stop_reason=message)
-            outputs.setdefault(request.client_index, []).append(output)
-            failed.append(request)
-        return failed
 
     def _remove_stopped(self, stopped: list[Request]) -> None:
         stopped_ids = {r.request_id for r in stopped}

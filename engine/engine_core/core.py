@@ -15,6 +15,7 @@ from corefleet.engine.config import EngineConfig
 from corefleet.engine.core.scheduler import Scheduler
 from corefleet.engine.core.scheduler_output import GrammarOutput, SchedulerOutput
 from corefleet.engine.engine_core.startup import StartupClock
+from corefleet.engine.frontend.tokenizer import Tokenizer
 from corefleet.engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -22,7 +23,6 @@ from corefleet.engine.messages import (
     SchedulerStats,
     validate_prompt,
 )
-from corefleet.engine.frontend.tokenizer import Tokenizer
 from corefleet.engine.models.default_model import served_model_name
 from corefleet.engine.models.loader import load_arch_config, resolve_model_path
 from corefleet.engine.request import Request, RequestStatus

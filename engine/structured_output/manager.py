@@ -41,7 +41,9 @@ class StructuredOutputManager:
     that never sees one never pays for it. ``vocab_size`` is the width of the model's logits.
     """
 
-    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_id: int | None):
+    def __init__(
+        self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_id: int | None
+    ):
         self._tokenizer_source = tokenizer_json
         self.vocab_size = vocab_size
         self._eos_token_id = eos_token_id
@@ -65,7 +67,9 @@ class StructuredOutputManager:
             done.set_result(template.deep_copy())
             return done
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="corefleet-grammar")
+            self._pool = ThreadPoolExecutor(
+                _COMPILE_THREADS, thread_name_prefix="corefleet-grammar"
+            )
         return self._pool.submit(self._compile, key)
 
     def _compile(self, key: tuple[str, str]) -> llguidance.LLMatcher:
@@ -103,4 +107,3 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
-

@@ -66,8 +66,10 @@ class NullExecutor:
         future: Future[ModelRunnerOutput | None] = Future()
         output = self._step(scheduler_output)
         if scheduler_output.structured_output_req_ids:
-            self._pending, output = output, None  # sampled under the grammar's mask
-        future.set_result(output)
+            self._pending = output  # sampled under the grammar's mask by sample_tokens
+            future.set_result(None)
+        else:
+            future.set_result(output)
         return future
 
     def sample_tokens(self, grammar_output: GrammarOutput) -> ModelRunnerOutput:

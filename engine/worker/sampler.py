@@ -139,7 +139,9 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     return logits
 
 
-def apply_grammar_mask(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+def apply_grammar_mask(
+    logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor
+) -> torch.Tensor:
     """Return new ``[B, V]`` logits where ``rows`` keep only their ``allowed`` ``[K, V]`` tokens."""
     masked = logits[rows].masked_fill_(~allowed, float("-inf"))  # [K, V], a copy
     return logits.index_copy(0, rows, masked)
