@@ -1,8 +1,8 @@
 """Request fields beyond the ones the request models declare: refused when they would change
 the answer, otherwise ignored with a warning in the log.
 
-Clients send more than OpenAI's core parameters: vLLM's extras (``guided_json``,
-``structured_outputs``, ``prompt_logprobs``...), newer OpenAI ones (``tool_choice``,
+Clients send more than OpenAI's core parameters: vLLM's extras (``prompt_logprobs``,
+``bad_words``...), newer OpenAI ones (``tool_choice``,
 ``modalities``...), and whatever an SDK or a proxy adds. Ignoring a field that constrains or
 reshapes the output would answer a different question with a 200, so each field in
 :data:`REFUSED` gets a 400 naming it, unless its value is one that changes nothing (null, or
@@ -44,19 +44,8 @@ def _empty(value: Any) -> bool:
     return isinstance(value, (list, dict, str)) and not value
 
 
-def _text_format(value: Any) -> bool:
-    return isinstance(value, dict) and value.get("type", "text") == "text"
-
-
-_GUIDED = "guided decoding (constrained output)"
-
 # Both endpoints. vLLM's names first, then OpenAI's.
 _COMMON: dict[str, Refused] = {
-    "structured_outputs": Refused("structured outputs (constrained output)"),
-    "guided_json": Refused(_GUIDED),
-    "guided_regex": Refused(_GUIDED),
-    "guided_choice": Refused(_GUIDED),
-    "guided_grammar": Refused(_GUIDED),
     "prompt_logprobs": Refused("prompt logprobs"),
     "bad_words": Refused("bad_words", _empty),
     "allowed_token_ids": Refused("allowed_token_ids"),
@@ -79,8 +68,6 @@ _COMMON: dict[str, Refused] = {
 REFUSED: Mapping[str, Mapping[str, Refused]] = {
     "completions": _COMMON
     | {
-        # The chat request declares response_format itself (refused there unless text).
-        "response_format": Refused("structured output", _text_format),
         "add_special_tokens": Refused("add_special_tokens=false", _one_of(True)),
     },
     "chat": _COMMON
@@ -107,8 +94,8 @@ IGNORED_QUIETLY = frozenset(
         "prediction",  # predicted outputs: a speed hint
         "priority",
         "request_id",
-        "guided_decoding_backend",  # only with a guided_* field, which is refused
-        "guided_whitespace_pattern",
+        "guided_decoding_backend",  # the server's backend (llguidance) is not per request
+        "guided_whitespace_pattern",  # whitespace between JSON tokens is already flexible
         "length_penalty",  # only with beam search, which is refused
     }
 )

@@ -202,8 +202,6 @@ def _chat_rules(schema: Schema, messages: Schema) -> None:
     """``POST /v1/chat/completions``: what is refused, and top_logprobs only with logprobs."""
     props = schema["properties"]
     props["tools"] = _only([None], "not supported: only [] or null", type="array", maxItems=0)
-    text_format = {"type": "object", "properties": {"type": {"const": "text"}}}
-    props["response_format"] = _only([None], "only the text format", **text_format)
     props["top_logprobs"]["description"] = "only with logprobs: true"
     schema["allOf"].append({"anyOf": [_absent_or_null("top_logprobs"), _is("logprobs", True)]})
     # Only an assistant turn may lack content.

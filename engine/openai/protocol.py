@@ -8,8 +8,8 @@ own, and refusing them breaks clients). Nested objects ignore theirs. Known fiel
 are strict: ``"temperature": "0.5"`` or ``"stream": 1`` fail, as at OpenAI, instead of being
 coerced (an int is fine for a float, and ``5.0`` for an int: JSON does not tell them apart);
 ``null`` means the default. Known parameters we cannot
-honour (``echo``, ``suffix``, ``logit_bias``, ``tools``, non-text ``response_format``,
-``best_of`` != ``n``) get a 400: ignoring them would silently change the answer. Ranges live in
+honour (``echo``, ``suffix``, ``logit_bias``, ``tools``, ``best_of`` != ``n``) get a 400:
+ignoring them would silently change the answer. Ranges live in
 :meth:`SamplingParams.validate`; only OpenAI-specific bounds are declared here.
 """
 
@@ -48,6 +48,7 @@ from corefleet.engine.openai.response_models import (  # noqa: F401 (re-exported
     UsageInfo,
     random_id,
 )
+from corefleet.engine.openai.structured_request import structured_params
 
 # Floats must be finite: NaN and Infinity are not JSON, and 1e400 overflows to inf.
 _REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
@@ -149,6 +150,13 @@ class _SamplingRequest(BaseModel):
     )
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # Constrained output (structured_request.py): OpenAI's, then vLLM's two generations.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop", mode="before", json_schema_input_type=_StopInput)
     @classmethod
@@ -203,7 +211,6 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=limits.MAX_TOP_LOGPROBS), _WHOLE] | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
 
     def template_messages(self) -> list[dict[str, str]]:
         """Messages for ``Tokenizer.apply_chat_template`` (plain strings; developer->system,
@@ -222,6 +229,9 @@ _SAME_NAME = (
 )
 
 
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 def to_sampling_params(
     request: CompletionRequest | ChatCompletionRequest, vocab_size: int | None = None
 ) -> SamplingParams:
@@ -235,8 +245,6 @@ def to_sampling_params(
     if isinstance(request, ChatCompletionRequest):
         if request.tools:
             raise unsupported("tools", "tool calling")
-        if request.response_format and request.response_format.get("type", "text") != "text":
-            raise unsupported("response_format", "structured output")
         if request.top_logprobs is not None and not request.logprobs:
             raise RequestError("top_logprobs requires logprobs=true", param="top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -260,12 +268,15 @@ def to_sampling_params(
         raise RequestError("stream_options requires stream=true", param="stream_options")
     # Same names on both sides; a null leaves SamplingParams' (vLLM's) default.
     same = {k: getattr(request, k) for k in _SAME_NAME if getattr(request, k) is not None}
+    guided = {k: getattr(request, k) for k in _GUIDED if getattr(request, k) is not None}
+    structured = structured_params(request.response_format, request.structured_outputs, guided)
     params = SamplingParams(
         **same,
         max_tokens=max_tokens,
         stop=list(request.stop or []),
         stop_token_ids=list(request.stop_token_ids or []),
         logprobs=logprobs,
+        structured_outputs=structured,
     )
     try:
         params.validate(vocab_size)

@@ -1,0 +1,135 @@
+"""The API's ways to ask for a constrained output, mapped to one ``StructuredOutputsParams``.
+
+OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs``
+object and its older ``guided_json``/``guided_regex``/``guided_choice``/``guided_grammar``
+fields. At most one may be set. The grammar is checked here (``check_grammar``, no tokenizer,
+about a millisecond), so a malformed schema, regex or grammar is a 400 naming the field before
+anything is queued; the rank compiles it again against the model's tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from corefleet.engine.messages import StructuredOutputsParams
+from corefleet.engine.openai import limits
+from corefleet.engine.openai.errors import RequestError
+from corefleet.engine.structured_output.grammars import check_grammar
+
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+_STRUCTURED_KEYS = {"json", "regex", "choice", "grammar", "json_object", "structural_tag"}
+# vLLM's options of structured_outputs that only tune its own backends: accepted, no effect.
+_BACKEND_OPTIONS = {"disable_fallback", "disable_any_whitespace", "whitespace_pattern"}
+
+
+def structured_params(
+    response_format: dict[str, Any] | None,
+    structured_outputs: Any,
+    guided: dict[str, Any],
+) -> StructuredOutputsParams | None:
+    """The request's one constraint, checked; None when it asks for none.
+
+    ``guided`` holds the ``guided_*`` fields the request set (not null).
+
+    Raises:
+        RequestError: 400 naming the field: several constraints, an unknown format, or a
+            grammar that is malformed, too long or does not compile.
+    """
+    found: list[tuple[str, StructuredOutputsParams]] = []
+    from_format = _from_response_format(response_format)
+    if from_format is not None:
+        found.append(("response_format", from_format))
+    if structured_outputs is not None:
+        found.append(("structured_outputs", _from_structured_outputs(structured_outputs)))
+    for field, value in guided.items():
+        found.append((field, _params(field, _GUIDED[field], value)))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(field for field, _ in found)
+        raise RequestError(
+            f"set at most one way to constrain the output, got {names}", param=found[1][0]
+        )
+    field, params = found[0]
+    try:
+        check_grammar(params)
+    except ValueError as exc:
+        raise RequestError(f"{field}: {exc}", param=field) from None
+    return params
+
+
+def _from_response_format(value: dict[str, Any] | None) -> StructuredOutputsParams | None:
+    if value is None:
+        return None
+    kind = value.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise RequestError(
+                "response_format: json_schema must be an object with a 'schema' object",
+                param="response_format",
+            )
+        # OpenAI's json_schema without a schema allows any JSON (as vLLM does).
+        return _params("response_format", "json", spec.get("schema", {}))
+    raise RequestError(
+        f"response_format: type must be text, json_object or json_schema, got {kind!r}",
+        param="response_format",
+    )
+
+
+def _from_structured_outputs(value: Any) -> StructuredOutputsParams:
+    field = "structured_outputs"
+    if not isinstance(value, dict):
+        raise RequestError(f"{field} must be an object", param=field)
+    unknown = set(value) - _STRUCTURED_KEYS - _BACKEND_OPTIONS
+    if unknown:
+        raise RequestError(f"{field}: unknown keys {sorted(unknown)}", param=field)
+    set_keys = [k for k in _STRUCTURED_KEYS if value.get(k) not in (None, False)]
+    if len(set_keys) != 1:
+        raise RequestError(
+            f"{field}: set exactly one of {sorted(_STRUCTURED_KEYS)}, got {sorted(set_keys)}",
+            param=field,
+        )
+    key = set_keys[0]
+    if key == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    return _params(field, key, value[key])
+
+
+def _params(field: str, kind: str, value: Any) -> StructuredOutputsParams:
+    """``StructuredOutputsParams`` with ``kind`` set from a request value, shape-checked."""
+    if kind in ("json", "structural_tag") and isinstance(value, dict):
+        text = json.dumps(value)
+    elif kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise RequestError(f"{field}: choice must be a non-empty list of strings", param=field)
+        text = json.dumps(value)
+    elif isinstance(value, str):
+        text = value
+    else:
+        raise RequestError(f"{field}: {kind} must be a string", param=field)
+    if len(text) > limits.MAX_GRAMMAR_CHARS:
+        raise RequestError(
+            f"{field}: the {kind} has {len(text)} characters, more than the "
+            f"{limits.MAX_GRAMMAR_CHARS} allowed",
+            param=field,
+        )
+    if kind == "choice":
+        return StructuredOutputsParams(choice=json.loads(text))
+    if kind == "json":
+        return StructuredOutputsParams(json=text)
+    if kind == "regex":
+        return StructuredOutputsParams(regex=text)
+    if kind == "grammar":
+        return StructuredOutputsParams(grammar=text)
+    return StructuredOutputsParams(structural_tag=text)
