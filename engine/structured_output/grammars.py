@@ -52,7 +52,7 @@ def to_llguidance(kind: str, text: str) -> str:
             return llguidance.LLMatcher.grammar_from_lark(any_to_lark(text))
         if kind == "structural_tag":
             return _structural_tag(json.loads(text))
-    except (ValueError, TypeError, KeyError, AssertionError) as exc:
+    except (ValueError, TypeError, KeyError, AssertionError, RecursionError) as exc:
         raise ValueError(f"invalid {field}: {exc}") from exc
     raise ValueError(f"unknown structured output kind {kind!r}")
 

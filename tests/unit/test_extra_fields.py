@@ -24,18 +24,12 @@ def _extra(body: dict[str, object], chat: bool = False) -> dict[str, object] | N
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("guided_json", {"type": "object"}),
-        ("guided_regex", "[a-z]+"),
-        ("guided_choice", ["yes", "no"]),
-        ("guided_grammar", "root ::= 'a'"),
-        ("structured_outputs", {"json": {"type": "object"}}),
         ("tool_choice", "required"),
         ("tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("prompt_logprobs", 1),
         ("use_beam_search", True),
         ("bad_words", ["x"]),
         ("modalities", ["text", "audio"]),
-        ("response_format", {"type": "json_object"}),
         ("add_special_tokens", False),
     ],
 )
@@ -49,13 +43,11 @@ def test_a_field_that_changes_the_answer_is_a_400_naming_it(field: str, value: o
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("guided_json", None),
         ("tool_choice", "none"),
         ("tool_choice", "auto"),
         ("use_beam_search", False),
         ("bad_words", []),
         ("modalities", ["text"]),
-        ("response_format", {"type": "text"}),
         ("add_special_tokens", True),
     ],
 )

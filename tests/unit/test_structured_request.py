@@ -1,0 +1,99 @@
+"""The API's constrained-output fields, mapped to the engine's ``StructuredOutputsParams``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from corefleet.engine.messages import SamplingParams, StructuredOutputsParams
+from corefleet.engine.openai import limits
+from corefleet.engine.openai.errors import RequestError
+from corefleet.engine.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    to_sampling_params,
+)
+
+CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION: dict[str, Any] = {"model": "m", "prompt": "x"}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def _params(body: dict[str, Any], chat: bool = True) -> SamplingParams:
+    model = ChatCompletionRequest if chat else CompletionRequest
+    return to_sampling_params(model.model_validate(body))
+
+
+def _refused(body: dict[str, Any], chat: bool = True) -> RequestError:
+    with pytest.raises(RequestError) as err:
+        _params(body, chat)
+    assert err.value.status == 400
+    return err.value
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        (
+            "response_format",
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}},
+            StructuredOutputsParams(json=json.dumps(SCHEMA)),
+        ),
+        ("response_format", {"type": "json_object"}, StructuredOutputsParams(json_object=True)),
+        ("structured_outputs", {"regex": "[0-9]+"}, StructuredOutputsParams(regex="[0-9]+")),
+        ("structured_outputs", {"choice": ["a", "b"]}, StructuredOutputsParams(choice=["a", "b"])),
+        ("structured_outputs", {"json": SCHEMA}, StructuredOutputsParams(json=json.dumps(SCHEMA))),
+        ("guided_json", SCHEMA, StructuredOutputsParams(json=json.dumps(SCHEMA))),
+        ("guided_regex", "a|b", StructuredOutputsParams(regex="a|b")),
+        ("guided_choice", ["yes", "no"], StructuredOutputsParams(choice=["yes", "no"])),
+        ("guided_grammar", 'root ::= "a" "b"', StructuredOutputsParams(grammar='root ::= "a" "b"')),
+    ],
+)
+def test_every_way_to_ask_becomes_one_constraint(
+    field: str, value: Any, expected: StructuredOutputsParams
+) -> None:
+    for chat, base in ((True, CHAT), (False, COMPLETION)):
+        assert _params({**base, field: value}, chat).structured_outputs == expected
+
+
+def test_text_format_and_nulls_constrain_nothing() -> None:
+    body = {**CHAT, "response_format": {"type": "text"}, "guided_json": None}
+    assert _params(body).structured_outputs is None
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"guided_json": {"type": "wat"}}, "guided_json"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_regex": "(("}, "guided_regex"),
+        ({"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"structured_outputs": {}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {"regexp": "a"}}, "structured_outputs"),
+        ({"response_format": {"type": "json_schema", "json_schema": 5}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos"),
+        ({"guided_regex": "a", "min_tokens": 2}, "min_tokens"),
+    ],
+)
+def test_a_bad_constraint_is_a_400_naming_its_field(body: dict[str, Any], param: str) -> None:
+    assert _refused({**CHAT, **body}).param == param
+
+
+def test_an_absurd_grammar_is_refused_by_its_size() -> None:
+    huge = "a" * (100 * 1024 * 1024)  # 100 MB of regex
+    error = _refused({**CHAT, "guided_regex": huge})
+    assert error.param == "guided_regex" and str(limits.MAX_GRAMMAR_CHARS) in error.message
+    # A schema nested 2,500 levels deep, within the size bound: deeper than a parser recurses.
+    levels = 2_500
+    deep = '{"type":"array","items":' * levels + '{"type":"object"}' + "}" * levels
+    assert len(deep) < limits.MAX_GRAMMAR_CHARS
+    assert _refused({**CHAT, "guided_json": deep}).param == "guided_json"
+    choices = ["x"] * 1_000_000
+    assert _refused({**CHAT, "guided_choice": choices}).param == "guided_choice"
