@@ -18,8 +18,13 @@ from llguidance.gbnf_to_lark import any_to_lark
 from corefleet.engine.messages import StructuredOutputsParams
 
 # Whitespace between JSON tokens is the model's choice (as xgrammar's any_whitespace), so a
-# model that puts a space after a colon is not pushed off its own distribution.
-_JSON_OPTIONS: dict[str, object] = {"whitespace_flexible": True}
+# model that indents its JSON is not pushed off its own distribution; but at most 32 characters
+# in a row, so that a small model cannot fill max_tokens with newlines (a known failure mode of
+# unbounded whitespace, which vLLM answers with disable_any_whitespace).
+_JSON_OPTIONS: dict[str, object] = {
+    "whitespace_flexible": True,
+    "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,32}",
+}
 
 
 def grammar_key(params: StructuredOutputsParams) -> tuple[str, str]:
