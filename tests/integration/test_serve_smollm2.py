@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 import openai
+import pydantic
 import pytest
 
 from corefleet.engine import LLM, SamplingParams
@@ -38,3 +41,45 @@ def test_serve_equals_offline_on_smollm2() -> None:
         )
         streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert streamed == expected_chat and "Paris" in streamed
+
+
+class City(pydantic.BaseModel):
+    """What ``parse`` asks for: OpenAI's strict json_schema of a pydantic model."""
+
+    name: str = pydantic.Field(max_length=20)
+    country: str = pydantic.Field(max_length=20)
+    population_millions: int = pydantic.Field(ge=0, le=100)
+
+
+def test_structured_outputs_through_the_official_client() -> None:
+    with running_serve(*FLAGS) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", timeout=120, max_retries=0)
+        model = "SmolLM2-135M-Instruct"
+        parsed = client.beta.chat.completions.parse(
+            model=model,
+            messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+            response_format=City,
+            max_tokens=96,
+            temperature=0.0,
+        )
+        choice = parsed.choices[0]
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, City)
+        streamed = client.completions.create(
+            model=model,
+            prompt="The year the Eiffel Tower was built:",
+            max_tokens=8,
+            temperature=0.0,
+            stream=True,
+            extra_body={"guided_regex": "1[0-9]{3}"},
+        )
+        text = "".join(c.choices[0].text for c in streamed if c.choices)
+        assert re.fullmatch("1[0-9]{3}", text)
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(
+                model=model,
+                messages=QUESTION,  # type: ignore[arg-type]
+                max_tokens=8,
+                extra_body={"guided_json": {"type": "object", "properties": {"a": {"type": 5}}}},
+            )
+        assert err.value.body["param"] == "guided_json"  # type: ignore[index]
