@@ -57,7 +57,7 @@ SCHEMAS: list[dict[str, Any]] = [
                 "maxItems": 2,
             }
         }
-    ),  # noqa: E501
+    ),
     _obj({"kind": {"oneOf": [{"const": "cat"}, {"const": "dog"}]}, "legs": _INT}),
     _obj({"first": _STR, "last": _STR, "middle": _STR}, ["first", "last"]),
     _obj(
@@ -65,7 +65,7 @@ SCHEMAS: list[dict[str, Any]] = [
             "price": {"type": "number", "minimum": 0, "maximum": 1000},
             "cur": {"enum": ["EUR", "USD"]},
         }
-    ),  # noqa: E501
+    ),
     _obj({"answer": {"enum": ["yes", "no", "maybe"]}, "confidence": _INT}),
     _obj({"point": _obj({"lat": {"type": "integer", "minimum": -90, "maximum": 90}})}),
     _obj({"steps": {"type": "array", "items": _obj({"n": _INT, "text": _STR}), "maxItems": 2}}),

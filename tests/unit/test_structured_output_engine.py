@@ -67,7 +67,7 @@ def test_a_grammar_that_fails_against_the_tokenizer_is_a_grammar_error(
     manager: StructuredOutputManager,
 ) -> None:
     future = manager.grammar_init(StructuredOutputsParams(grammar="start: missing_rule"))
-    with pytest.raises(GrammarError, match="structured_outputs.grammar"):
+    with pytest.raises(GrammarError, match=r"structured_outputs\.grammar"):
         future.result(60)
 
 
