@@ -56,8 +56,8 @@ class SchedulerOutput:
 class GrammarOutput:
     """The allowed tokens of a step's constrained requests, computed while the model ran."""
 
-    req_ids: list[str]  # row k of ``allowed`` is for req_ids[k]
-    allowed: np.ndarray  # [K, V] bool
+    req_ids: list[str]  # row k of ``banned`` is for req_ids[k]
+    banned: np.ndarray  # [K, V] bool: True where the grammar forbids the token
 
 
 @dataclass

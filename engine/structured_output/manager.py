@@ -91,9 +91,11 @@ class StructuredOutputManager:
             return self._tokenizer
 
     def grammar_bitmask(self, matchers: Sequence[llguidance.LLMatcher]) -> np.ndarray:
-        """``[K, V]`` bool: the tokens each matcher allows next (row ``k`` for ``matchers[k]``).
+        """``[K, V]`` bool: the tokens each matcher forbids next (row ``k`` for ``matchers[k]``).
 
         The engine calls it while the model runs; filling a row takes tens of microseconds.
+        The mask comes out ready for ``masked_fill`` (True = banned), so that the sampler,
+        which waits for it, does one pass over the logits and no negation.
         """
         bitmask = np.empty((len(matchers), self.words), dtype=np.int32)  # [K, W] bit per token
         row_bytes = self.words * 4
@@ -102,7 +104,7 @@ class StructuredOutputManager:
             matcher.unsafe_compute_mask_ptr(base + k * row_bytes, row_bytes)
         # Bit b of word w is token 32*w + b: little-endian words, little-endian bits.
         allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")  # [K, 32W]
-        return allowed[:, : self.vocab_size].view(np.bool_)  # [K, V]
+        return np.ascontiguousarray(allowed[:, : self.vocab_size] == 0)  # [K, V] banned
 
     def shutdown(self) -> None:
         if self._pool is not None:

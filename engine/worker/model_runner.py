@@ -314,8 +314,8 @@ class ModelRunner:
             vocab_size=self.arch.vocab_size,
             device=self.device,
         )
-        allowed = None if grammar is None else self._grammar_rows(grammar, states)
-        out = self.sampler(logits, meta, allowed)
+        banned = None if grammar is None else self._grammar_rows(grammar, states)
+        out = self.sampler(logits, meta, banned)
         sampled = out.sampled_token_ids
         self.batch.append_tokens(inputs.rows[sampling_idx], np.asarray(sampled, dtype=np.int64))
         sampled_by_req: list[list[int]] = [[] for _ in inputs.req_ids]
@@ -328,14 +328,15 @@ class ModelRunner:
 
     def _grammar_rows(
         self, grammar: GrammarOutput, states: list[RequestState]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sampled rows of the constrained requests and their allowed tokens ``[K, V]``."""
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The sampled rows of the constrained requests (None: all rows, in order) and the
+        tokens their grammars forbid ``[K, V]``."""
         row_of = {state.req_id: k for k, state in enumerate(states)}
         rows = [row_of[req_id] for req_id in grammar.req_ids]
-        allowed = torch.from_numpy(grammar.allowed)  # [K, V] bool
-        if allowed.shape[1] < self.arch.vocab_size:  # logits padded past the tokenizer's vocab
-            allowed = torch.nn.functional.pad(allowed, (0, self.arch.vocab_size - allowed.shape[1]))
-        return self._to_device(np.asarray(rows, dtype=np.int64)), allowed.to(self.device)
+        banned = torch.from_numpy(grammar.banned)  # [K, V] bool
+        if rows == list(range(len(states))):
+            return None, banned.to(self.device)
+        return self._to_device(np.asarray(rows, dtype=np.int64)), banned.to(self.device)
 
     def _ban_stop_tokens_below_min_tokens(
         self, logits: torch.Tensor, states: list[RequestState]

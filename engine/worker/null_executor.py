@@ -78,8 +78,8 @@ class NullExecutor:
         output, self._pending = self._pending, None
         assert output is not None
         index = {req_id: i for i, req_id in enumerate(output.req_ids)}
-        for req_id, allowed in zip(grammar_output.req_ids, grammar_output.allowed, strict=True):
-            output.sampled_token_ids[index[req_id]] = [int(allowed.argmax())]
+        for req_id, banned in zip(grammar_output.req_ids, grammar_output.banned, strict=True):
+            output.sampled_token_ids[index[req_id]] = [int(banned.argmin())]
         return output
 
     def _step(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -65,12 +65,12 @@ class Sampler:
         self,
         logits: torch.Tensor,
         meta: SamplingMetadata,
-        allowed: tuple[torch.Tensor, torch.Tensor] | None = None,
+        banned: tuple[torch.Tensor | None, torch.Tensor] | None = None,
     ) -> SamplerOutput:
         """Sample from ``logits`` (``[B, V]``, float32) as ``meta`` says.
 
-        ``allowed``: ``(rows [K] int64, mask [K, V] bool)``, the tokens a grammar allows on
-        those rows; the other rows are untouched.
+        ``banned``: ``(rows [K] int64 or None for all rows, mask [K, V] bool)``, the tokens a
+        grammar forbids on those rows; the other rows are untouched.
         """
         expected = (len(meta.num_logprobs), meta.vocab_size)
         if tuple(logits.shape) != expected:
@@ -81,8 +81,8 @@ class Sampler:
         raw_logprobs = compute_logprobs(logits) if meta.max_num_logprobs is not None else None
         if not meta.no_penalties:
             logits = apply_penalties(logits, meta)
-        if allowed is not None:
-            logits = apply_grammar_mask(logits, *allowed)
+        if banned is not None:
+            logits = apply_grammar_mask(logits, *banned)
         sampled = self.sample(logits, meta)  # [B] int64
         return _to_output(sampled, raw_logprobs, meta)
 
@@ -140,10 +140,13 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
 
 
 def apply_grammar_mask(
-    logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor
+    logits: torch.Tensor, rows: torch.Tensor | None, banned: torch.Tensor
 ) -> torch.Tensor:
-    """Return new ``[B, V]`` logits where ``rows`` keep only their ``allowed`` ``[K, V]`` tokens."""
-    masked = logits[rows].masked_fill_(~allowed, float("-inf"))  # [K, V], a copy
+    """Return new ``[B, V]`` logits with each of ``rows``' ``banned`` ``[K, V]`` tokens at
+    ``-inf``; ``rows`` None means every row, in order (one pass, the common case)."""
+    if rows is None:
+        return logits.masked_fill(banned, float("-inf"))
+    masked = logits[rows].masked_fill_(banned, float("-inf"))  # [K, V], a copy
     return logits.index_copy(0, rows, masked)
 
 

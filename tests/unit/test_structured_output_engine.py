@@ -36,7 +36,7 @@ def test_the_mask_allows_exactly_the_tokens_that_continue_the_grammar(
     manager: StructuredOutputManager, tokenizer: Tokenizer
 ) -> None:
     matcher = manager.grammar_init(StructuredOutputsParams(choice=["yes", "no"])).result(60)
-    allowed = manager.grammar_bitmask([matcher])  # [1, V]
+    allowed = ~manager.grammar_bitmask([matcher])  # [1, V]
     assert allowed.shape == (1, tokenizer.vocab_size)
     texts = {tokenizer.decode([int(t)], skip_special_tokens=False) for t in allowed[0].nonzero()[0]}
     assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts)
@@ -44,7 +44,9 @@ def test_the_mask_allows_exactly_the_tokens_that_continue_the_grammar(
     for token in tokenizer.encode("yes", add_special_tokens=False):
         assert matcher.consume_token(token)
     # Complete: only EOS may follow.
-    assert manager.grammar_bitmask([matcher])[0].nonzero()[0].tolist() == [tokenizer.eos_token_id]
+    assert (~manager.grammar_bitmask([matcher]))[0].nonzero()[0].tolist() == [
+        tokenizer.eos_token_id
+    ]
 
 
 def test_compiled_grammars_are_cached_and_each_request_has_its_own_matcher(
@@ -59,7 +61,7 @@ def test_compiled_grammars_are_cached_and_each_request_has_its_own_matcher(
     for token in tokenizer.encode("12", add_special_tokens=False):
         assert one.consume_token(token)
     # The second matcher is still at the start: it allows a first digit, not EOS.
-    allowed = manager.grammar_bitmask([one, two])
+    allowed = ~manager.grammar_bitmask([one, two])
     assert not allowed[1][tokenizer.eos_token_id] and allowed[0].any() and allowed[1].any()
 
 
