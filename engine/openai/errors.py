@@ -15,8 +15,10 @@ from pydantic import BaseModel, ValidationError
 
 __all__ = [
     "CHAT_TEMPLATE_REFUSED",
+    "CONSTRAINT_CONFLICT",
     "CONTEXT_LENGTH_EXCEEDED",
     "EMPTY_PROMPT",
+    "INVALID_GRAMMAR",
     "MIN_TOKENS_ABOVE_MAX_TOKENS",
     "SCHEMA_VALID_REFUSALS",
     "SSE_DONE",
@@ -41,6 +43,8 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for the sam
 MIN_TOKENS_ABOVE_MAX_TOKENS = "min_tokens_above_max_tokens"
 EMPTY_PROMPT = "empty_prompt"
 CHAT_TEMPLATE_REFUSED = "chat_template_refused"
+INVALID_GRAMMAR = "invalid_grammar"
+CONSTRAINT_CONFLICT = "constraint_conflict"
 SCHEMA_VALID_REFUSALS: dict[str, str] = {
     CONTEXT_LENGTH_EXCEEDED: "the prompt, counted in tokens, does not leave room in the "
     "model's context (max_model_len) for max_tokens (or min_tokens) more tokens",
@@ -48,6 +52,10 @@ SCHEMA_VALID_REFUSALS: dict[str, str] = {
     EMPTY_PROMPT: "the prompt's text has no token (only characters the tokenizer drops)",
     CHAT_TEMPLATE_REFUSED: "the model's chat template refused the conversation (for example a "
     "role or an order of roles it does not support)",
+    INVALID_GRAMMAR: "the JSON schema, regex or grammar that constrains the output is not one "
+    "the grammar backend can compile, or is longer than 65,536 characters",
+    CONSTRAINT_CONFLICT: "more than one field constrains the output (response_format, "
+    "structured_outputs, guided_*), or one does next to ignore_eos or min_tokens",
 }
 
 

@@ -28,6 +28,7 @@ from corefleet.engine.coordinator.membership import RankMember
 from corefleet.engine.openai import protocol as p
 from corefleet.engine.openai.errors import SCHEMA_VALID_REFUSALS, ErrorResponse
 from corefleet.engine.openai.limits import RequestLimits
+from corefleet.engine.openai.openapi_structured import structured_output_rules
 
 __all__ = ["openapi_document", "served_openapi"]
 
@@ -141,6 +142,7 @@ def _sampling_rules(
     )
     props["stream_options"]["description"] = "only with stream: true"
     schema["allOf"] = [{"anyOf": [_absent_or_null("stream_options"), _is("stream", True)]}]
+    structured_output_rules(schema)
 
 
 def _n_ranges(max_n: int) -> list[tuple[int, int, int]]:

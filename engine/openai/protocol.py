@@ -269,7 +269,10 @@ def to_sampling_params(
     # Same names on both sides; a null leaves SamplingParams' (vLLM's) default.
     same = {k: getattr(request, k) for k in _SAME_NAME if getattr(request, k) is not None}
     guided = {k: getattr(request, k) for k in _GUIDED if getattr(request, k) is not None}
-    structured = structured_params(request.response_format, request.structured_outputs, guided)
+    free_end = {"ignore_eos": request.ignore_eos, "min_tokens": request.min_tokens}
+    structured = structured_params(
+        request.response_format, request.structured_outputs, guided, free_end
+    )
     params = SamplingParams(
         **same,
         max_tokens=max_tokens,

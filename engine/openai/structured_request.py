@@ -14,7 +14,7 @@ from typing import Any
 
 from corefleet.engine.messages import StructuredOutputsParams
 from corefleet.engine.openai import limits
-from corefleet.engine.openai.errors import RequestError
+from corefleet.engine.openai.errors import CONSTRAINT_CONFLICT, INVALID_GRAMMAR, RequestError
 from corefleet.engine.structured_output.grammars import check_grammar
 
 _GUIDED = {
@@ -32,10 +32,12 @@ def structured_params(
     response_format: dict[str, Any] | None,
     structured_outputs: Any,
     guided: dict[str, Any],
+    free_end: dict[str, Any],
 ) -> StructuredOutputsParams | None:
     """The request's one constraint, checked; None when it asks for none.
 
-    ``guided`` holds the ``guided_*`` fields the request set (not null).
+    ``guided`` holds the ``guided_*`` fields the request set (not null); ``free_end`` its
+    ``ignore_eos`` and ``min_tokens``, which a grammar refuses: it ends by allowing only EOS.
 
     Raises:
         RequestError: 400 naming the field: several constraints, an unknown format, or a
@@ -54,13 +56,23 @@ def structured_params(
     if len(found) > 1:
         names = ", ".join(field for field, _ in found)
         raise RequestError(
-            f"set at most one way to constrain the output, got {names}", param=found[1][0]
+            f"set at most one way to constrain the output, got {names}",
+            param=found[1][0],
+            code=CONSTRAINT_CONFLICT,
         )
     field, params = found[0]
+    for name, value in free_end.items():
+        if value:
+            raise RequestError(
+                f"{name} cannot be combined with {field}: a constrained output ends at the "
+                "grammar's end, with EOS",
+                param=name,
+                code=CONSTRAINT_CONFLICT,
+            )
     try:
         check_grammar(params)
     except ValueError as exc:
-        raise RequestError(f"{field}: {exc}", param=field) from None
+        raise RequestError(f"{field}: {exc}", param=field, code=INVALID_GRAMMAR) from None
     return params
 
 
@@ -109,7 +121,10 @@ def _from_structured_outputs(value: Any) -> StructuredOutputsParams:
 def _params(field: str, kind: str, value: Any) -> StructuredOutputsParams:
     """``StructuredOutputsParams`` with ``kind`` set from a request value, shape-checked."""
     if kind in ("json", "structural_tag") and isinstance(value, dict):
-        text = json.dumps(value)
+        try:
+            text = json.dumps(value)
+        except RecursionError:
+            raise RequestError(f"{field}: nested too deeply", param=field) from None
     elif kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
             raise RequestError(f"{field}: choice must be a non-empty list of strings", param=field)
@@ -123,6 +138,7 @@ def _params(field: str, kind: str, value: Any) -> StructuredOutputsParams:
             f"{field}: the {kind} has {len(text)} characters, more than the "
             f"{limits.MAX_GRAMMAR_CHARS} allowed",
             param=field,
+            code=INVALID_GRAMMAR,
         )
     if kind == "choice":
         return StructuredOutputsParams(choice=json.loads(text))

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 import llguidance
-from llguidance.gbnf_to_lark import any_to_lark
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from corefleet.engine.messages import StructuredOutputsParams
 
@@ -57,7 +57,14 @@ def to_llguidance(kind: str, text: str) -> str:
             return llguidance.LLMatcher.grammar_from_lark(any_to_lark(text))
         if kind == "structural_tag":
             return _structural_tag(json.loads(text))
-    except (ValueError, TypeError, KeyError, AssertionError, RecursionError) as exc:
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+        AssertionError,
+        RecursionError,
+        GbnfToLarkError,
+    ) as exc:
         raise ValueError(f"invalid {field}: {exc}") from exc
     raise ValueError(f"unknown structured output kind {kind!r}")
 

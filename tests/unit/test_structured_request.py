@@ -70,6 +70,8 @@ def test_text_format_and_nulls_constrain_nothing() -> None:
         ({"guided_json": "{not json"}, "guided_json"),
         ({"guided_regex": "(("}, "guided_regex"),
         ({"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
+        ({"guided_grammar": ",\u00e9%w"}, "guided_grammar"),  # found by schemathesis: a 500
+        ({"guided_regex": "a\udaef"}, "guided_regex"),  # a lone surrogate
         ({"guided_choice": []}, "guided_choice"),
         ({"structured_outputs": {}}, "structured_outputs"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
