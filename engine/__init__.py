@@ -8,13 +8,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from corefleet.engine.messages import SamplingParams
+from corefleet.engine.messages import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from corefleet.engine.frontend.llm import LLM
     from corefleet.engine.frontend.outputs import CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 
 def __getattr__(name: str) -> Any:

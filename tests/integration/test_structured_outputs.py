@@ -10,8 +10,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from corefleet.engine import LLM, SamplingParams
-from corefleet.engine.messages import StructuredOutputsParams
+from corefleet.engine import LLM, SamplingParams, StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
 
