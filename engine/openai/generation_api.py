@@ -31,6 +31,7 @@ from corefleet.engine.openai.responses import (
 )
 from corefleet.engine.openai.server_state import ServerState
 from corefleet.engine.openai.serving import Generation
+from corefleet.engine.openai.structured_request import check_constraint, constraint_chars
 
 # Prompts up to this many characters are tokenized on the event loop: ~0.1 ms at most, less
 # than a hand-off to a worker thread and back.
@@ -176,11 +177,13 @@ async def _start(
     request_id = Generation.new_id()
 
     def build() -> Generation:
+        check_constraint(params.structured_outputs, body)  # a grammar's own check: a 400
         rendered = [_render(state.tokenizer, inputs, x) for x in prompts]
         return Generation(state.fleet, state.tokenizer, inputs, rendered, params, request_id)
 
     try:
-        if _text_chars(prompts) <= INLINE_TOKENIZE_CHARS:
+        heavy = _text_chars(prompts) + constraint_chars(params.structured_outputs)
+        if heavy <= INLINE_TOKENIZE_CHARS:
             return build()
         return await asyncio.to_thread(build)
     except ValueError as exc:  # a prompt too long, or a template refusing the conversation

@@ -2,9 +2,12 @@
 
 OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs``
 object and its older ``guided_json``/``guided_regex``/``guided_choice``/``guided_grammar``
-fields. At most one may be set. The grammar is checked here (``check_grammar``, no tokenizer,
-about a millisecond), so a malformed schema, regex or grammar is a 400 naming the field before
-anything is queued; the rank compiles it again against the model's tokenizer.
+fields. At most one may be set. The grammar is checked by :func:`check_constraint` (no
+tokenizer; about a millisecond for a typical schema, up to ~200 ms for the largest GBNF
+grammar), which the API runs off the event loop for a long grammar, as it tokenizes a long
+prompt: a malformed schema, regex or grammar is a 400 naming the field before anything is
+queued. The rank compiles it again against the
+model's tokenizer.
 """
 
 from __future__ import annotations
@@ -34,14 +37,15 @@ def structured_params(
     guided: dict[str, Any],
     free_end: dict[str, Any],
 ) -> StructuredOutputsParams | None:
-    """The request's one constraint, checked; None when it asks for none.
+    """The request's one constraint, its shape checked (its grammar is checked by
+    :func:`check_constraint`); None when it asks for none.
 
     ``guided`` holds the ``guided_*`` fields the request set (not null); ``free_end`` its
     ``ignore_eos`` and ``min_tokens``, which a grammar refuses: it ends by allowing only EOS.
 
     Raises:
-        RequestError: 400 naming the field: several constraints, an unknown format, or a
-            grammar that is malformed, too long or does not compile.
+        RequestError: 400 naming the field: several constraints, an unknown format, a grammar
+            that is too long.
     """
     found: list[tuple[str, StructuredOutputsParams]] = []
     from_format = _from_response_format(response_format)
@@ -69,11 +73,35 @@ def structured_params(
                 param=name,
                 code=CONSTRAINT_CONFLICT,
             )
+    return params
+
+
+def constraint_chars(params: StructuredOutputsParams | None) -> int:
+    """The characters of grammar text a request carries (0 without a constraint)."""
+    return 0 if params is None else len(params.kind()[1])
+
+
+def check_constraint(params: StructuredOutputsParams | None, body: Any) -> None:
+    """Raise a 400 naming ``body``'s field when the constraint's grammar does not compile.
+
+    Raises:
+        RequestError: the schema, regex or grammar is malformed or cannot be compiled.
+    """
+    if params is None:
+        return
     try:
         check_grammar(params)
     except ValueError as exc:
+        field = _constraint_field(body)
         raise RequestError(f"{field}: {exc}", param=field, code=INVALID_GRAMMAR) from None
-    return params
+
+
+def _constraint_field(body: Any) -> str:
+    """The request field that carries the constraint (structured_params allows only one)."""
+    for field in ("structured_outputs", *_GUIDED):
+        if getattr(body, field, None) is not None:
+            return field
+    return "response_format"
 
 
 def _from_response_format(value: dict[str, Any] | None) -> StructuredOutputsParams | None:

@@ -160,7 +160,7 @@ def test_completion_prompt_forms(prompt: Any, inputs: list[Any]) -> None:
             {**CHAT, "response_format": {"type": "xml"}},
             "response_format",
         ),
-        (CompletionRequest, {**COMPLETION, "guided_regex": "(("}, "guided_regex"),
+        (CompletionRequest, {**COMPLETION, "guided_regex": 5}, "guided_regex"),
         (ChatCompletionRequest, {**CHAT, "logit_bias": {"1": 5.0}}, "logit_bias"),
         (ChatCompletionRequest, {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
         (ChatCompletionRequest, {"messages": [{"role": "user"}]}, "messages"),

@@ -15,6 +15,8 @@ from corefleet.engine.openai.protocol import (
     CompletionRequest,
     to_sampling_params,
 )
+from corefleet.engine.openai.structured_request import check_constraint
+from corefleet.engine.structured_output.grammars import MAX_GBNF_CHARS
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION: dict[str, Any] = {"model": "m", "prompt": "x"}
@@ -22,8 +24,12 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 
 
 def _params(body: dict[str, Any], chat: bool = True) -> SamplingParams:
+    """What the API does before queueing: the request's params, then its grammar's check."""
     model = ChatCompletionRequest if chat else CompletionRequest
-    return to_sampling_params(model.model_validate(body))
+    request = model.model_validate(body)
+    params = to_sampling_params(request)
+    check_constraint(params.structured_outputs, request)
+    return params
 
 
 def _refused(body: dict[str, Any], chat: bool = True) -> RequestError:
@@ -72,6 +78,7 @@ def test_text_format_and_nulls_constrain_nothing() -> None:
         ({"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
         ({"guided_grammar": ",\u00e9%w"}, "guided_grammar"),  # found by schemathesis: a 500
         ({"guided_regex": "a\udaef"}, "guided_regex"),  # a lone surrogate
+        ({"guided_grammar": ""}, "guided_grammar"),  # found by schemathesis: a 500
         ({"guided_choice": []}, "guided_choice"),
         ({"structured_outputs": {}}, "structured_outputs"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
@@ -99,3 +106,16 @@ def test_an_absurd_grammar_is_refused_by_its_size() -> None:
     assert _refused({**CHAT, "guided_json": deep}).param == "guided_json"
     choices = ["x"] * 1_000_000
     assert _refused({**CHAT, "guided_choice": choices}).param == "guided_choice"
+
+
+def test_a_long_gbnf_grammar_is_refused_but_lark_of_the_same_length_is_not() -> None:
+    # GBNF is converted to Lark in Python, in time quadratic in its rules: it has its own bound.
+    rules = [f'r{i} ::= "x{i}" r{i + 1} | "y"' for i in range(400)]
+    gbnf = "\n".join([*rules, 'r400 ::= "z"', "root ::= r0"])
+    assert MAX_GBNF_CHARS < len(gbnf) < limits.MAX_GRAMMAR_CHARS
+    error = _refused({**CHAT, "guided_grammar": gbnf})
+    assert error.param == "guided_grammar" and "Lark" in error.message
+    lark_rules = [f'r{i}: "x{i}" r{i + 1} | "y"' for i in range(400)]
+    lark = "\n".join(["start: r0", *lark_rules, 'r400: "z"'])
+    assert len(lark) > MAX_GBNF_CHARS
+    assert _params({**CHAT, "guided_grammar": lark}).structured_outputs is not None
