@@ -17,13 +17,13 @@ from llguidance.gbnf_to_lark import any_to_lark, is_lark_syntax
 
 from corefleet.engine.messages import StructuredOutputsParams
 
+# llguidance converts GBNF to Lark in Python, in time that grows with the square of the rules
+# (~200 ms at 10 KB, 2.3 s at 42 KB): a GBNF grammar is bounded tighter than a Lark one.
+MAX_GBNF_CHARS = 8 * 1024
 # Whitespace between JSON tokens is the model's choice (as xgrammar's any_whitespace), so a
 # model that indents its JSON is not pushed off its own distribution; but at most 32 characters
 # in a row, so that a small model cannot fill max_tokens with newlines (a known failure mode of
 # unbounded whitespace, which vLLM answers with disable_any_whitespace).
-# llguidance converts GBNF to Lark in Python, in time that grows with the square of the rules
-# (~200 ms at 10 KB, 2.3 s at 42 KB): a GBNF grammar is bounded tighter than a Lark one.
-MAX_GBNF_CHARS = 8 * 1024
 _JSON_OPTIONS: dict[str, object] = {
     "whitespace_flexible": True,
     "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,32}",
