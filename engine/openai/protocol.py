@@ -48,7 +48,7 @@ from corefleet.engine.openai.response_models import (  # noqa: F401 (re-exported
     UsageInfo,
     random_id,
 )
-from corefleet.engine.openai.structured_request import structured_params
+from corefleet.engine.openai.structured_request import GUIDED_FIELDS, structured_params
 
 # Floats must be finite: NaN and Infinity are not JSON, and 1e400 overflows to inf.
 _REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
@@ -229,9 +229,6 @@ _SAME_NAME = (
 )
 
 
-_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-
-
 def to_sampling_params(
     request: CompletionRequest | ChatCompletionRequest, vocab_size: int | None = None
 ) -> SamplingParams:
@@ -268,7 +265,7 @@ def to_sampling_params(
         raise RequestError("stream_options requires stream=true", param="stream_options")
     # Same names on both sides; a null leaves SamplingParams' (vLLM's) default.
     same = {k: getattr(request, k) for k in _SAME_NAME if getattr(request, k) is not None}
-    guided = {k: getattr(request, k) for k in _GUIDED if getattr(request, k) is not None}
+    guided = {k: getattr(request, k) for k in GUIDED_FIELDS if getattr(request, k) is not None}
     free_end = {"ignore_eos": request.ignore_eos, "min_tokens": request.min_tokens}
     structured = structured_params(
         request.response_format, request.structured_outputs, guided, free_end

@@ -20,7 +20,7 @@ from corefleet.engine.openai import limits
 from corefleet.engine.openai.errors import CONSTRAINT_CONFLICT, INVALID_GRAMMAR, RequestError
 from corefleet.engine.structured_output.grammars import check_grammar
 
-_GUIDED = {
+GUIDED_FIELDS = {  # vLLM's older fields, and the kind each one sets
     "guided_json": "json",
     "guided_regex": "regex",
     "guided_choice": "choice",
@@ -54,7 +54,7 @@ def structured_params(
     if structured_outputs is not None:
         found.append(("structured_outputs", _from_structured_outputs(structured_outputs)))
     for field, value in guided.items():
-        found.append((field, _params(field, _GUIDED[field], value)))
+        found.append((field, _params(field, GUIDED_FIELDS[field], value)))
     if not found:
         return None
     if len(found) > 1:
@@ -98,7 +98,7 @@ def check_constraint(params: StructuredOutputsParams | None, body: Any) -> None:
 
 def _constraint_field(body: Any) -> str:
     """The request field that carries the constraint (structured_params allows only one)."""
-    for field in ("structured_outputs", *_GUIDED):
+    for field in ("structured_outputs", *GUIDED_FIELDS):
         if getattr(body, field, None) is not None:
             return field
     return "response_format"

@@ -18,6 +18,7 @@ from corefleet.engine.models.rope import build_cos_sin_cache
 from corefleet.engine.models.weights import load_weights, quantized_weights
 from corefleet.engine.worker.input_batch import InputBatch, RequestState, StepInputs
 from corefleet.engine.worker.kv_budget import cpu_kv_cache_budget
+from corefleet.engine.worker.logit_masks import ban_stop_tokens_below_min_tokens, grammar_rows
 from corefleet.engine.worker.sampler import Sampler, SamplingMetadata
 from corefleet.kernels.backend import select_kernel_backend
 from corefleet.kernels.cpu.loader import cpu_flags
@@ -304,7 +305,9 @@ class ModelRunner:
             hidden[self._to_device(last_token[sampling_idx])]
         )  # [N, V]
         states = [self.batch.requests[inputs.req_ids[i]] for i in sampling_idx]
-        self._ban_stop_tokens_below_min_tokens(logits, states)
+        ban_stop_tokens_below_min_tokens(
+            logits, states, self.batch.num_tokens, self.arch.eos_token_ids
+        )
         history = _needs_history(states)
         meta = SamplingMetadata.build(
             params=[s.sampling_params for s in states],
@@ -314,7 +317,7 @@ class ModelRunner:
             vocab_size=self.arch.vocab_size,
             device=self.device,
         )
-        banned = None if grammar is None else self._grammar_rows(grammar, states)
+        banned = None if grammar is None else grammar_rows(grammar, states, self.device)
         out = self.sampler(logits, meta, banned)
         sampled = out.sampled_token_ids
         self.batch.append_tokens(inputs.rows[sampling_idx], np.asarray(sampled, dtype=np.int64))
@@ -325,40 +328,6 @@ class ModelRunner:
         return ModelRunnerOutput(
             req_ids=inputs.req_ids, sampled_token_ids=sampled_by_req, logprobs=logprobs
         )
-
-    def _grammar_rows(
-        self, grammar: GrammarOutput, states: list[RequestState]
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The sampled rows of the constrained requests (None: all rows, in order) and the
-        tokens their grammars forbid ``[K, V]``."""
-        row_of = {state.req_id: k for k, state in enumerate(states)}
-        rows = [row_of[req_id] for req_id in grammar.req_ids]
-        banned = torch.from_numpy(grammar.banned)  # [K, V] bool
-        if rows == list(range(len(states))):
-            return None, banned.to(self.device)
-        return self._to_device(np.asarray(rows, dtype=np.int64)), banned.to(self.device)
-
-    def _ban_stop_tokens_below_min_tokens(
-        self, logits: torch.Tensor, states: list[RequestState]
-    ) -> None:
-        """Until a request has ``min_tokens`` outputs, EOS and its stop tokens cannot be
-        sampled (as in vLLM), so the request neither stops nor emits them early."""
-        rows: list[int] = []
-        cols: list[int] = []
-        for k, state in enumerate(states):
-            params = state.sampling_params
-            if not params.min_tokens:
-                continue
-            num_output = int(self.batch.num_tokens[state.row]) - state.num_prompt_tokens
-            if num_output >= params.min_tokens:
-                continue
-            banned = set(params.stop_token_ids)
-            if not params.ignore_eos:
-                banned.update(self.arch.eos_token_ids)
-            rows.extend([k] * len(banned))
-            cols.extend(banned)
-        if rows:
-            logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
