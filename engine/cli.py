@@ -15,6 +15,7 @@ from corefleet.engine.engine_args import add_engine_args, engine_kwargs_from_arg
 from corefleet.engine.entrypoints.rank_cpus import add_rank_cpu_args
 from corefleet.engine.messages import SamplingParams
 from corefleet.engine.openai.limits import add_limit_args
+from corefleet.engine.openai.tool_options import add_tool_args
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ def _http_args(parser: argparse.ArgumentParser) -> None:
         help="times a request may move to another rank when its rank dies (then: an error)",
     )
     add_limit_args(parser)
+    add_tool_args(parser)
 
 
 def _serve_parsers(sub: argparse._SubParsersAction) -> None:

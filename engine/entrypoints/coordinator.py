@@ -35,6 +35,7 @@ from corefleet.engine.openai.generation_api import GenerationApi
 from corefleet.engine.openai.limits import RequestLimits
 from corefleet.engine.openai.metrics import ServingMetrics
 from corefleet.engine.openai.server_state import ServerState
+from corefleet.engine.openai.tool_options import ToolOptions
 from corefleet.engine.transport.sockets import load_curve_keys
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class CoordinatorOptions:
     block_size: int = 16  # for prefix-aware routing: the ranks' KV block size
     api_keys: tuple[str, ...] = ()  # empty: the API is open
     limits: RequestLimits = field(default_factory=RequestLimits)
+    tools: ToolOptions = field(default_factory=ToolOptions)
     max_migrations: int = 2
     heartbeat_timeout_s: float = 10.0
     shutdown_timeout_s: float = 30.0
@@ -116,6 +118,7 @@ async def run(
         ApiKeys(options.api_keys),
         ServingMetrics(fleet, model_name),
         options.limits,
+        options.tools,
     )
     api = GenerationApi(state)
     config = uvicorn_config(

@@ -11,6 +11,7 @@ from corefleet.engine.entrypoints.coordinator import CoordinatorOptions, run
 from corefleet.engine.entrypoints.local_ranks import LocalRanks
 from corefleet.engine.entrypoints.rank_cpus import plan_from_args
 from corefleet.engine.openai.limits import limits_from_args
+from corefleet.engine.openai.tool_options import tool_options_from_args
 
 MAX_API_SERVERS = 64  # each is a process of a few hundred MB; more is a typo, not a plan
 
@@ -20,6 +21,7 @@ def serve_command(args: argparse.Namespace) -> int:
     bad combination of flags."""
     api_keys = tuple(args.api_key or ()) or envs.api_keys()
     limits = limits_from_args(args)
+    tools = tool_options_from_args(args)
     if args.command == "coordinator":
         options = CoordinatorOptions(
             model=args.model,
@@ -32,6 +34,7 @@ def serve_command(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             api_keys=api_keys,
             limits=limits,
+            tools=tools,
             max_migrations=args.max_migrations,
             shutdown_timeout_s=args.shutdown_timeout,
             shutdown_delay_s=args.shutdown_delay,
@@ -56,6 +59,7 @@ def serve_command(args: argparse.Namespace) -> int:
         block_size=config.cache.block_size,
         api_keys=api_keys,
         limits=limits,
+        tools=tools,
         max_migrations=args.max_migrations,
         shutdown_timeout_s=args.shutdown_timeout,
     )

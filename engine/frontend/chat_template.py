@@ -16,6 +16,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.sandbox
 
@@ -76,6 +77,14 @@ def _compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
+
+
+@lru_cache(maxsize=16)
+def template_variables(source: str) -> frozenset[str]:
+    """The variables ``source`` reads from its caller (``messages``, ``tools``...): whether a
+    template renders ``tools`` at all is known before any request."""
+    env = _compile_template(source).environment
+    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
 
 
 def render_chat_template(

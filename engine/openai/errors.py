@@ -19,6 +19,7 @@ __all__ = [
     "CONTEXT_LENGTH_EXCEEDED",
     "EMPTY_PROMPT",
     "INVALID_GRAMMAR",
+    "INVALID_TOOL_CHOICE",
     "MIN_TOKENS_ABOVE_MAX_TOKENS",
     "SCHEMA_VALID_REFUSALS",
     "SSE_DONE",
@@ -45,6 +46,7 @@ EMPTY_PROMPT = "empty_prompt"
 CHAT_TEMPLATE_REFUSED = "chat_template_refused"
 INVALID_GRAMMAR = "invalid_grammar"
 CONSTRAINT_CONFLICT = "constraint_conflict"
+INVALID_TOOL_CHOICE = "invalid_tool_choice"
 SCHEMA_VALID_REFUSALS: dict[str, str] = {
     CONTEXT_LENGTH_EXCEEDED: "the prompt, counted in tokens, does not leave room in the "
     "model's context (max_model_len) for max_tokens (or min_tokens) more tokens",
@@ -55,7 +57,11 @@ SCHEMA_VALID_REFUSALS: dict[str, str] = {
     INVALID_GRAMMAR: "the JSON schema, regex or grammar that constrains the output is not one "
     "the grammar backend can compile, or is longer than 65,536 characters",
     CONSTRAINT_CONFLICT: "more than one field constrains the output (response_format, "
-    "structured_outputs, guided_*), or one does next to ignore_eos or min_tokens",
+    "structured_outputs, guided_*, tool_choice required or named), or one does next to "
+    "ignore_eos or min_tokens",
+    INVALID_TOOL_CHOICE: "tool_choice names a function that is not in tools, is set without "
+    "tools, or is auto (the default with tools) on a server started without "
+    "--enable-auto-tool-choice",
 }
 
 

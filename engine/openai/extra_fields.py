@@ -56,7 +56,6 @@ _COMMON: dict[str, Refused] = {
     "return_token_ids": Refused("token ids in the response", _one_of(False)),
     "vllm_xargs": Refused("vllm_xargs (custom sampling extensions)", _empty),
     "spaces_between_special_tokens": Refused("spaces_between_special_tokens"),
-    "tool_choice": Refused("tool calling", _one_of("none", "auto")),
     "functions": Refused("function calling", _empty),
     "function_call": Refused("function calling", _one_of("none", "auto")),
     "modalities": Refused("output modalities other than text", _one_of(["text"])),
@@ -69,6 +68,7 @@ REFUSED: Mapping[str, Mapping[str, Refused]] = {
     "completions": _COMMON
     | {
         "add_special_tokens": Refused("add_special_tokens=false", _one_of(True)),
+        "tool_choice": Refused("tool calling (chat only)", _one_of("none", "auto")),
     },
     "chat": _COMMON
     | {
@@ -90,7 +90,7 @@ IGNORED_QUIETLY = frozenset(
         "metadata",
         "store",
         "service_tier",
-        "parallel_tool_calls",  # only with tools, which are refused
+        "parallel_tool_calls",  # completions: only with tools, which chat alone takes
         "prediction",  # predicted outputs: a speed hint
         "priority",
         "request_id",

@@ -32,6 +32,7 @@ from corefleet.engine.openai.responses import (
 from corefleet.engine.openai.server_state import ServerState
 from corefleet.engine.openai.serving import Generation
 from corefleet.engine.openai.structured_request import check_constraint, constraint_chars
+from corefleet.engine.openai.tool_request import NO_TOOLS, ToolPlan, plan_tools, template_inputs
 
 # Prompts up to this many characters are tokenized on the event loop: ~0.1 ms at most, less
 # than a hand-off to a worker thread and back.
@@ -78,15 +79,20 @@ class GenerationApi:
         try:
             body = parse_request(p.ChatCompletionRequest, raw)
             check_extra_fields(body.model_extra, "chat")
+            tools = plan_tools(
+                body.tools, body.tool_choice, body.parallel_tool_calls, self.state.tool_options
+            )
+            prompt = _ChatPrompt(body.template_messages(), tools)
         except RequestError as err:
             return error_reply(err)
-        return await self._generate(key_id, body, [_ChatPrompt(body.template_messages())])
+        return await self._generate(key_id, body, [prompt], tools)
 
     async def _generate(
         self,
         key_id: str | None,
         body: p.CompletionRequest | p.ChatCompletionRequest,
         prompts: list[Any],
+        tools: ToolPlan = NO_TOOLS,
     ) -> Reply:
         """Admit, start and answer one generation request. Its place among the requests in
         flight is held until the answer is complete, the stream ends or the client goes away."""
@@ -96,7 +102,7 @@ class GenerationApi:
         except RequestError as err:
             return error_reply(err)
         try:
-            generation = await _start(state, info, body, prompts)
+            generation = await _start(state, info, body, prompts, tools)
         except RequestError as err:
             ticket.release()
             return error_reply(err)
@@ -105,12 +111,12 @@ class GenerationApi:
             if isinstance(body, p.CompletionRequest):
                 events = completion_chunks(name, metrics, body, generation)
             else:
-                events = chat_chunks(name, metrics, body, generation)
+                events = chat_chunks(name, metrics, body, generation, tools)
             return StreamReply(_released(ticket, events))
         try:
             if isinstance(body, p.CompletionRequest):
                 return json_reply(await completion_response(name, metrics, body, generation))
-            return json_reply(await chat_response(name, metrics, body, generation))
+            return json_reply(await chat_response(name, metrics, body, generation, tools))
         finally:
             ticket.release()
 
@@ -160,7 +166,8 @@ def _check_choices(
 class _ChatPrompt:
     """A conversation, rendered and tokenized off the event loop like a text prompt."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
+    tools: ToolPlan = NO_TOOLS
 
 
 async def _start(
@@ -168,11 +175,12 @@ async def _start(
     info: ReadyResponse,
     body: p.CompletionRequest | p.ChatCompletionRequest,
     prompts: list[Any],
+    tools: ToolPlan,
 ) -> Generation:
     """Tokenize and validate, then start the generation. Long prompts go to a worker thread
     (tokenizing them takes a while and must not stall every other request); short ones are
     tokenized at once, since handing them to a thread costs more than tokenizing them."""
-    params = p.to_sampling_params(body, info.vocab_size)
+    params = p.to_sampling_params(body, info.vocab_size, tools.constraint)
     inputs = InputProcessor(state.tokenizer, info.max_model_len, info.vocab_size)
     request_id = Generation.new_id()
 
@@ -201,6 +209,7 @@ def _text_chars(prompts: list[Any]) -> int:
             total += len(prompt)
         elif isinstance(prompt, _ChatPrompt):
             total += sum(len(str(m.get("content") or "")) for m in prompt.messages)
+            total += sum(len(str(t.function.parameters or "")) for t in prompt.tools.tools)
         elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
             total += len(prompt["prompt"])
     return total
@@ -217,7 +226,8 @@ def _blamed_field(body: p.CompletionRequest | p.ChatCompletionRequest, message: 
 def _render(tokenizer: Tokenizer, inputs: InputProcessor, prompt: Any) -> Any:
     if not isinstance(prompt, _ChatPrompt):
         return prompt
-    text = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True)
+    messages, variables = template_inputs(prompt.messages, prompt.tools, tokenizer.chat_template)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **variables)
     inputs.check_text_length(text)
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 

@@ -201,9 +201,9 @@ def _completion_rules(
 
 
 def _chat_rules(schema: Schema, messages: Schema) -> None:
-    """``POST /v1/chat/completions``: what is refused, and top_logprobs only with logprobs."""
+    """``POST /v1/chat/completions``: top_logprobs only with logprobs; content optional only for
+    an assistant turn."""
     props = schema["properties"]
-    props["tools"] = _only([None], "not supported: only [] or null", type="array", maxItems=0)
     props["top_logprobs"]["description"] = "only with logprobs: true"
     schema["allOf"].append({"anyOf": [_absent_or_null("top_logprobs"), _is("logprobs", True)]})
     # Only an assistant turn may lack content.

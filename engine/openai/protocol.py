@@ -8,7 +8,7 @@ own, and refusing them breaks clients). Nested objects ignore theirs. Known fiel
 are strict: ``"temperature": "0.5"`` or ``"stream": 1`` fail, as at OpenAI, instead of being
 coerced (an int is fine for a float, and ``5.0`` for an int: JSON does not tell them apart);
 ``null`` means the default. Known parameters we cannot
-honour (``echo``, ``suffix``, ``logit_bias``, ``tools``, ``best_of`` != ``n``) get a 400:
+honour (``echo``, ``suffix``, ``logit_bias``, ``best_of`` != ``n``) get a 400:
 ignoring them would silently change the answer. Ranges live in
 :meth:`SamplingParams.validate`; only OpenAI-specific bounds are declared here.
 """
@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from corefleet.engine.messages import FinishReason, SamplingParams
+from corefleet.engine.messages import FinishReason, SamplingParams, StructuredOutputsParams
 from corefleet.engine.openai import limits
 from corefleet.engine.openai.errors import RequestError, error_from_sampling, unsupported
 from corefleet.engine.openai.response_models import (  # noqa: F401 (re-exported)
@@ -37,11 +37,15 @@ from corefleet.engine.openai.response_models import (  # noqa: F401 (re-exported
     ChatLogprobs,
     ChatResponseMessage,
     ChatTokenLogprob,
+    ChatToolCall,
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
     CompletionStreamResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     ModelCard,
     ModelList,
     TopLogprob,
@@ -49,6 +53,12 @@ from corefleet.engine.openai.response_models import (  # noqa: F401 (re-exported
     random_id,
 )
 from corefleet.engine.openai.structured_request import GUIDED_FIELDS, structured_params
+from corefleet.engine.openai.tool_request import (
+    MessageToolCall,
+    ToolChoice,
+    ToolDefinition,
+    arguments_object,
+)
 
 # Floats must be finite: NaN and Infinity are not JSON, and 1e400 overflows to inf.
 _REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
@@ -96,6 +106,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -210,16 +222,38 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: PositiveInt64 | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=limits.MAX_TOP_LOGPROBS), _WHOLE] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=limits.MAX_TOOLS)
+    tool_choice: ToolChoice | None = None  # None: auto with tools, none without (tool_request)
+    parallel_tool_calls: bool | None = None
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages for ``Tokenizer.apply_chat_template`` (plain strings; developer->system,
-        since chat templates only know the classic roles)."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            | ({} if m.name is None else {"name": m.name})
-            for m in self.messages
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages for ``Tokenizer.apply_chat_template``: content as one string
+        (developer->system, since chat templates only know the classic roles), an assistant
+        turn's calls with their arguments as objects, as transformers' templates expect.
+
+        Raises:
+            RequestError: a call's arguments are not a JSON object.
+        """
+        return [_template_message(m) for m in self.messages]
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    role = "system" if message.role == "developer" else message.role
+    out: dict[str, Any] = {"role": role, "content": message.text()}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": arguments_object(call)},
+            }
+            for call in message.tool_calls
         ]
+    return out
 
 
 _SAME_NAME = (
@@ -230,9 +264,12 @@ _SAME_NAME = (
 
 
 def to_sampling_params(
-    request: CompletionRequest | ChatCompletionRequest, vocab_size: int | None = None
+    request: CompletionRequest | ChatCompletionRequest,
+    vocab_size: int | None = None,
+    tools: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
-    """The engine's :class:`SamplingParams` for ``request``, validated.
+    """The engine's :class:`SamplingParams` for ``request``, validated. ``tools``: the
+    constraint of its ``tool_choice`` (``tool_request.ToolPlan.constraint``).
 
     Raises:
         RequestError: 400 naming the request field (``top_logprobs``, not the engine's
@@ -240,8 +277,6 @@ def to_sampling_params(
     """
     renamed: dict[str, str] = {}  # engine name -> the request field the user actually set
     if isinstance(request, ChatCompletionRequest):
-        if request.tools:
-            raise unsupported("tools", "tool calling")
         if request.top_logprobs is not None and not request.logprobs:
             raise RequestError("top_logprobs requires logprobs=true", param="top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -268,7 +303,7 @@ def to_sampling_params(
     guided = {k: getattr(request, k) for k in GUIDED_FIELDS if getattr(request, k) is not None}
     free_end = {"ignore_eos": request.ignore_eos, "min_tokens": request.min_tokens}
     structured = structured_params(
-        request.response_format, request.structured_outputs, guided, free_end
+        request.response_format, request.structured_outputs, guided, free_end, tools
     )
     params = SamplingParams(
         **same,

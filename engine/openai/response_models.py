@@ -109,11 +109,32 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+def tool_call_id() -> str:
+    """``call_<hex>``: the id style of OpenAI's tool calls."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class FunctionCall(BaseModel):
+    """The function a tool call names, with its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ChatToolCall(BaseModel):
+    """One call of a tool, in a whole answer."""
+
+    id: str = Field(default_factory=tool_call_id)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
-    """The assistant's answer."""
+    """The assistant's answer: text, calls of tools, or both (``content`` null without text)."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ChatToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -137,11 +158,30 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    """A piece of a streamed call: the name once, then pieces of the arguments' text."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call's piece; ``index`` tells the calls of one choice apart, ``id`` and
+    ``type`` come with its first piece."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
-    """What a chunk adds: ``role`` in the first chunk of a choice, then ``content`` pieces."""
+    """What a chunk adds: ``role`` in the first chunk of a choice, then ``content`` pieces or
+    pieces of ``tool_calls``."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

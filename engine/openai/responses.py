@@ -18,6 +18,8 @@ from corefleet.engine.openai.errors import SSE_DONE, sse_event
 from corefleet.engine.openai.logprobs import chat_logprobs, completion_logprobs
 from corefleet.engine.openai.metrics import ServingMetrics
 from corefleet.engine.openai.serving import ChoiceDelta, Generation
+from corefleet.engine.openai.tool_output import StreamedCalls, tool_finish_reason, whole_message
+from corefleet.engine.openai.tool_request import NO_TOOLS, ToolPlan
 
 _JSON = msgspec.json.Encoder()
 
@@ -116,7 +118,11 @@ async def completion_chunks(
 
 
 async def chat_response(
-    model_name: str, metrics: ServingMetrics, body: p.ChatCompletionRequest, generation: Generation
+    model_name: str,
+    metrics: ServingMetrics,
+    body: p.ChatCompletionRequest,
+    generation: Generation,
+    tools: ToolPlan = NO_TOOLS,
 ) -> dict[str, Any]:
     texts: dict[int, str] = {}
     ends: dict[int, tuple[str | None, int | str | None]] = {}
@@ -135,16 +141,21 @@ async def chat_response(
         if d.finish_reason is not None:
             texts[d.index] = d.full_text if d.full_text is not None else texts[d.index]
             ends[d.index] = (p.openai_finish_reason(d.finish_reason), d.stop_reason)
-    choices = [
-        p.ChatChoice(
+    choices = []
+    for i in sorted(texts):
+        reason, stop_reason = ends.get(i, (None, None))
+        message = p.ChatResponseMessage(content=texts[i])
+        if tools.reads_calls:
+            message, called = whole_message(tools, texts[i])
+            reason = tool_finish_reason(tools, called, reason)
+        choice = p.ChatChoice(
             index=i,
-            message=p.ChatResponseMessage(content=texts[i]),
+            message=message,
             logprobs=logprobs.get(i),
-            finish_reason=ends.get(i, (None, None))[0],
-            stop_reason=ends.get(i, (None, None))[1],
+            finish_reason=reason,
+            stop_reason=stop_reason,
         )
-        for i in sorted(texts)
-    ]
+        choices.append(choice)
     response = p.ChatCompletionResponse(
         model=model_name, choices=choices, usage=_usage(generation, tokens)
     )
@@ -152,29 +163,45 @@ async def chat_response(
 
 
 async def chat_chunks(
-    model_name: str, metrics: ServingMetrics, body: p.ChatCompletionRequest, generation: Generation
+    model_name: str,
+    metrics: ServingMetrics,
+    body: p.ChatCompletionRequest,
+    generation: Generation,
+    tools: ToolPlan = NO_TOOLS,
 ) -> AsyncIterator[str]:
     events = _ChunkEvents(p.ChatCompletionChunk(model=model_name, choices=[]))
     started: set[int] = set()
+    calls: dict[int, StreamedCalls] = {}
     tokens = 0
     top_k = generation.params.logprobs
     async for d in _timed(metrics, generation):
         tokens += len(d.token_ids)
-        delta: dict[str, str] = {"content": d.text}
-        if d.index not in started:  # the role comes once, in a choice's first chunk
-            started.add(d.index)
-            delta = {"role": "assistant", "content": d.text}
         finish_reason = p.openai_finish_reason(d.finish_reason)
-        if top_k is None:
-            yield events.choice({"index": d.index, "delta": delta, "finish_reason": finish_reason})
-            continue
-        choice = p.ChatChunkChoice(
-            index=d.index,
-            delta=p.DeltaMessage.model_validate(delta),
-            logprobs=chat_logprobs(d.token_ids, d.logprobs, top_k),
-            finish_reason=finish_reason,
-        )
-        yield events.choice(choice)
+        deltas: list[dict[str, Any]] = [{"content": d.text}]
+        if tools.reads_calls:
+            streamed = calls.setdefault(d.index, StreamedCalls(tools))
+            deltas = streamed.feed(d.text)
+            if finish_reason is not None:
+                deltas += streamed.finish()
+                finish_reason = tool_finish_reason(tools, streamed.calls > 0, finish_reason)
+            if not deltas and (finish_reason or top_k is not None or d.index not in started):
+                deltas = [{}]  # a chunk is still due: the role, the logprobs or the end
+        if deltas and d.index not in started:  # the role comes once, in a choice's first chunk
+            started.add(d.index)
+            deltas[0] = {"role": "assistant"} | deltas[0]
+        for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1
+            reason = finish_reason if last else None
+            if top_k is None:
+                yield events.choice({"index": d.index, "delta": delta, "finish_reason": reason})
+                continue
+            choice = p.ChatChunkChoice(
+                index=d.index,
+                delta=p.DeltaMessage.model_validate(delta),
+                logprobs=chat_logprobs(d.token_ids, d.logprobs, top_k) if last else None,
+                finish_reason=reason,
+            )
+            yield events.choice(choice)
     if body.stream_options and body.stream_options.include_usage:
         yield events.usage(_usage(generation, tokens))
     yield SSE_DONE

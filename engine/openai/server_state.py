@@ -1,4 +1,5 @@
-"""What the coordinator's HTTP handlers share: the fleet, the tokenizer, keys, limits, metrics."""
+"""What the coordinator's HTTP handlers share: the fleet, the tokenizer, keys, limits, metrics,
+how tool calls are read."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from corefleet.engine.openai.admission import ApiKeys, InFlightLimiter
 from corefleet.engine.openai.errors import RequestError
 from corefleet.engine.openai.limits import FALLBACK_MAX_N, RequestLimits
 from corefleet.engine.openai.metrics import ServingMetrics
+from corefleet.engine.openai.tool_options import ToolOptions
 
 
 @dataclass
@@ -23,6 +25,7 @@ class ServerState:
     api_keys: ApiKeys
     metrics: ServingMetrics
     limits: RequestLimits = field(default_factory=RequestLimits)
+    tool_options: ToolOptions = field(default_factory=ToolOptions)
     shutting_down: bool = False
 
     def __post_init__(self) -> None:

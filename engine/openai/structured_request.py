@@ -36,12 +36,14 @@ def structured_params(
     structured_outputs: Any,
     guided: dict[str, Any],
     free_end: dict[str, Any],
+    tools: StructuredOutputsParams | None = None,
 ) -> StructuredOutputsParams | None:
     """The request's one constraint, its shape checked (its grammar is checked by
     :func:`check_constraint`); None when it asks for none.
 
     ``guided`` holds the ``guided_*`` fields the request set (not null); ``free_end`` its
     ``ignore_eos`` and ``min_tokens``, which a grammar refuses: it ends by allowing only EOS.
+    ``tools``: the constraint of ``tool_choice`` required or named (``tool_request``).
 
     Raises:
         RequestError: 400 naming the field: several constraints, an unknown format, a grammar
@@ -55,6 +57,8 @@ def structured_params(
         found.append(("structured_outputs", _from_structured_outputs(structured_outputs)))
     for field, value in guided.items():
         found.append((field, _params(field, GUIDED_FIELDS[field], value)))
+    if tools is not None:
+        found.append(("tool_choice", tools))
     if not found:
         return None
     if len(found) > 1:
@@ -96,12 +100,20 @@ def check_constraint(params: StructuredOutputsParams | None, body: Any) -> None:
         raise RequestError(f"{field}: {exc}", param=field, code=INVALID_GRAMMAR) from None
 
 
+def json_constraint(field: str, schema: dict[str, Any]) -> StructuredOutputsParams:
+    """A JSON-schema constraint built by the server from ``field`` (the tools), its size
+    checked as a client's schema would be."""
+    return _params(field, "json", schema)
+
+
 def _constraint_field(body: Any) -> str:
     """The request field that carries the constraint (structured_params allows only one)."""
     for field in ("structured_outputs", *GUIDED_FIELDS):
         if getattr(body, field, None) is not None:
             return field
-    return "response_format"
+    if _from_response_format(getattr(body, "response_format", None)) is not None:
+        return "response_format"
+    return "tools"  # tool_choice required or named: the tools' schemas
 
 
 def _from_response_format(value: dict[str, Any] | None) -> StructuredOutputsParams | None:

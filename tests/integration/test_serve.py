@@ -134,6 +134,12 @@ def test_fields_that_would_change_the_answer_are_400s_and_unknown_ones_pass(
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="m", messages=messages, tool_choice="required")
     assert err.value.body["param"] == "tool_choice"  # type: ignore[index]
+    tools: Any = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    # Tools default to tool_choice "auto", which this server (no --enable-auto-tool-choice)
+    # cannot read: a 400 saying how to enable it, as vLLM answers.
+    with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice") as err:
+        client.chat.completions.create(model="m", messages=messages, tools=tools)
+    assert err.value.body["code"] == "invalid_tool_choice"  # type: ignore[index]
     answered = client.completions.create(
         model="m",
         prompt="x",
