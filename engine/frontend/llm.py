@@ -95,13 +95,19 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate.
+
+        ``tools`` (OpenAI's ``{"type": "function", "function": {...}}`` entries) go to the
+        template, as in vLLM's ``LLM.chat``; reading calls out of the answers is the HTTP API's
+        job (``--tool-call-parser``)."""
         conversations = _as_conversations(messages)
         prompts: list[PromptType] = []
+        variables = {} if tools is None else {"tools": tools}
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt
+                conversation, add_generation_prompt=add_generation_prompt, **variables
             )
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})

@@ -118,6 +118,35 @@ def test_regex_choice_grammar_and_any_json_object(llm: LLM) -> None:
     assert isinstance(json.loads(texts[3]), dict)
 
 
+def test_a_structural_tag_constrains_only_what_follows_its_trigger(llm: LLM) -> None:
+    # Free text in which every <function=forecast> block must follow the schema: the greedy
+    # model, unconstrained, copies the prompt's pattern with days=2, outside the schema.
+    schema = _obj({"city": _STR, "days": {"type": "integer", "minimum": 6, "maximum": 7}})
+    structure = {"begin": "<function=forecast>", "schema": schema, "end": "</function>"}
+    tag = {"type": "structural_tag", "structures": [structure], "triggers": ["<function="]}
+    prompt = (
+        'Forecast requests:\n<function=forecast>{"city": "Rome", "days": 3}</function>\n'
+        '<function=forecast>{"city": "Oslo", "days": 5}</function>\n'
+    )
+    free, tagged = llm.generate(
+        [prompt, prompt], [_greedy(80), _greedy(80, structural_tag=json.dumps(tag))], use_tqdm=False
+    )
+    blocks = re.compile(r"<function=forecast>(.*?)</function>")
+
+    def valid(text: str) -> list[bool]:
+        found = []
+        for block in blocks.findall(text):
+            try:
+                jsonschema.validate(json.loads(block), schema)
+                found.append(True)
+            except (ValueError, jsonschema.ValidationError):
+                found.append(False)
+        return found
+
+    assert valid(tagged.outputs[0].text) and all(valid(tagged.outputs[0].text))
+    assert not all(valid(free.outputs[0].text))
+
+
 def test_free_requests_in_a_mixed_batch_equal_an_unconstrained_run(llm: LLM) -> None:
     free = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     alone = llm.generate(free, _greedy(24), use_tqdm=False)
