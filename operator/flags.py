@@ -83,6 +83,12 @@ def coordinator_args(name: str, spec: EngineSpec) -> list[str]:
         args += ["--served-model-name", spec.model.served_model_name]
     if spec.coordinator.api_key_secret_ref is not None:
         args += ["--api-key", "$(COREFLEET_API_KEY)"]  # expanded by the kubelet from env
+    if spec.coordinator.tool_call_parser is not None:
+        args += [
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            spec.coordinator.tool_call_parser,
+        ]
     return args
 
 

@@ -29,6 +29,9 @@ ROUTING_FLAGS = {
     "RoundRobin": "round-robin",
     "PrefixHash": "prefix-hash",
 }
+# The coordinator's --tool-call-parser names (engine/openai/tool_parsers.py; a test holds them
+# equal: the operator does not import the engine).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 MAX_RANKS = 1024  # the CRD's maximum of dataParallelSize
 MAX_COORDINATORS = 100  # the CRD's maximum of coordinator.replicas and autoscaling bounds
 VOLUME_SOURCES = ("persistentVolumeClaim", "hostPath", "nfs", "image", "csi")
@@ -108,6 +111,7 @@ class CoordinatorSpec:
     node_port: int | None = None
     resources: Mapping[str, Any] | None = None
     api_key_secret_ref: SecretKeyRef | None = None
+    tool_call_parser: str | None = None  # set: tool_choice "auto" is served with this parser
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,7 +290,14 @@ def _coordinator(raw: Mapping[str, Any]) -> CoordinatorSpec:
         node_port=node_port,
         resources=raw.get("resources"),
         api_key_secret_ref=ref,
+        tool_call_parser=_tool_call_parser(raw),
     )
+
+
+def _tool_call_parser(raw: Mapping[str, Any]) -> str | None:
+    if raw.get("toolCallParser") is None:
+        return None
+    return _choice(raw, "toolCallParser", "spec.coordinator", None, TOOL_CALL_PARSERS)
 
 
 def parse_spec(spec: Mapping[str, Any]) -> EngineSpec:

@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 
 from corefleet.engine.cli import build_parser
+from corefleet.engine.openai.tool_options import tool_options_from_args
+from corefleet.engine.openai.tool_parsers import PARSER_NAMES
 from corefleet.operator.flags import coordinator_args
 from corefleet.operator.naming import Owner
 from corefleet.operator.resources import build_engine_pod
-from corefleet.operator.spec import ROUTING_FLAGS
+from corefleet.operator.spec import ROUTING_FLAGS, TOOL_CALL_PARSERS
 
 sys.path.insert(0, str(Path(__file__).parent / "operator"))
 from operator_fixtures import spec
@@ -20,6 +22,7 @@ EXTRAS = [
     {},
     {"shutdown": {"mode": "Abort"}},
     *({"coordinator": {"routing": r, "replicas": 2}} for r in sorted(ROUTING_FLAGS)),
+    *({"coordinator": {"toolCallParser": name}} for name in TOOL_CALL_PARSERS),
 ]
 
 
@@ -32,3 +35,13 @@ def test_rank_and_coordinator_commands_parse(extra: dict[str, object]) -> None:
     coordinator = build_parser().parse_args(coordinator_args("x", the_spec))
     assert coordinator.block_size == the_spec.engine.block_size
     assert coordinator.shutdown_timeout == the_spec.shutdown.effective_timeout_seconds
+
+
+def test_the_tool_call_parser_reaches_the_coordinator_and_enables_auto() -> None:
+    assert TOOL_CALL_PARSERS == PARSER_NAMES  # the operator cannot import the engine's list
+    for name in TOOL_CALL_PARSERS:
+        the_spec = spec(1, coordinator={"toolCallParser": name})
+        options = tool_options_from_args(build_parser().parse_args(coordinator_args("x", the_spec)))
+        assert options.auto_parser == name
+    plain = build_parser().parse_args(coordinator_args("x", spec(1)))
+    assert tool_options_from_args(plain).auto_parser is None

@@ -66,6 +66,7 @@ VALID = {
             "service": {"type": "LoadBalancer", "port": 80},
             "resources": {"limits": {"cpu": "2"}},
             "apiKeySecretRef": {"name": "api", "key": "token"},
+            "toolCallParser": "hermes",
         },
     ),
     "abort without timeout": manifest(shutdown={"mode": "Abort"}),
@@ -112,6 +113,10 @@ INVALID = {  # name -> (manifest, a fragment of the refusal)
     "unknown shutdown mode": (manifest(shutdown={"mode": "Kill"}), "is not one of"),
     "zero drain timeout": (manifest(shutdown={"drainTimeoutSeconds": 0}), "less than the minimum"),
     "unknown routing": (manifest(coordinator={"routing": "Random"}), "is not one of"),
+    "unknown tool call parser": (
+        manifest(coordinator={"toolCallParser": "mistral"}),
+        "is not one of",
+    ),
     "port out of range": (manifest(coordinator={"service": {"port": 70000}}), "greater than"),
     "no coordinator": (manifest(coordinator={"replicas": 0}), "less than the minimum"),
     "absurd coordinator count": (
@@ -218,6 +223,7 @@ CEL_ONLY = [
 # Schema refusals the operator repeats, for a spec that skipped the server's validation: a
 # replica count of 2**31 must end as a Degraded engine, never as a Deployment that asks for it.
 SCHEMA_MIRRORED = [
+    "unknown tool call parser",
     "no coordinator",
     "absurd coordinator count",
     "coordinators as a string",
