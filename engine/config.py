@@ -230,41 +230,58 @@ class DeviceConfig:
         _require_choice("attention_backend", self.attention_backend, AttentionBackendName)
 
 
+# The devices of one node (the operator gives a rank pod this many GPUs at most).
+MAX_TENSOR_PARALLEL = 8
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is spread over devices, and which executor runs it.
 
-    ``distributed_executor_backend`` is ``uni`` (the model runner on one thread of this process)
-    or an importable ``module:Class`` with the executor interface, e.g.
+    ``distributed_executor_backend`` is ``uni`` (the model runner on one thread of this process),
+    ``mp`` (one worker process per device: ``tensor_parallel_size`` of them) or an importable
+    ``module:Class`` with the executor interface, e.g.
     ``corefleet.engine.worker.null_executor:NullExecutor`` to measure the engine without a model.
+    With ``tensor_parallel_size`` above 1, ``uni`` means ``mp`` (as vLLM picks it).
     """
 
     tensor_parallel_size: int = field(
-        default=1, metadata=engine_arg("devices per rank (only 1 for now)")
+        default=1,
+        metadata=engine_arg(
+            "devices per rank, one worker process each, the model's layers split across them "
+            f"(1-{MAX_TENSOR_PARALLEL})"
+        ),
     )
     distributed_executor_backend: str = field(
         default="uni",
         metadata=engine_arg(
-            "uni (the model on one thread of the engine process) or an importable "
-            "module:Class, e.g. corefleet.engine.worker.null_executor:NullExecutor (no model: "
-            "measures the engine's own overhead)"
+            "uni (the model on one thread of the engine process), mp (one worker process per "
+            "device; used whenever tensor_parallel_size > 1) or an importable module:Class, e.g. "
+            "corefleet.engine.worker.null_executor:NullExecutor (no model: measures the engine's "
+            "own overhead)"
         ),
     )
 
     def __post_init__(self) -> None:
         _require(
-            self.tensor_parallel_size == 1,
+            1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL,
             "tensor_parallel_size",
             self.tensor_parallel_size,
-            "only 1 is supported for now (one device per rank; scale out with data parallelism)",
+            f"must be between 1 and {MAX_TENSOR_PARALLEL} (the devices of one node)",
         )
         backend = self.distributed_executor_backend
         _require(
-            backend == "uni" or (":" in backend and all(backend.split(":"))),
+            backend in ("uni", "mp") or (":" in backend and all(backend.split(":"))),
             "distributed_executor_backend",
             backend,
-            "must be uni or an importable module:Class",
+            "must be uni, mp or an importable module:Class",
         )
+
+    @property
+    def executor_backend(self) -> str:
+        """The backend that runs: ``mp`` in place of ``uni`` when there are several workers."""
+        backend = self.distributed_executor_backend
+        return "mp" if backend == "uni" and self.tensor_parallel_size > 1 else backend
 
 
 @dataclass(frozen=True)

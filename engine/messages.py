@@ -21,6 +21,16 @@ PROTOCOL_VERSION = 1
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 
 
+def death_message(frames: Sequence[Any]) -> str:
+    """What a client says of ``[ENGINE_CORE_DEAD, rank, reason]`` (ZMQ frames or bytes); the
+    reason (a bounded UTF-8 text) is optional: older engines sent none."""
+    message = "the engine core hit a fatal error (ENGINE_CORE_DEAD)"
+    if len(frames) < 3:
+        return message
+    raw = frames[2].bytes if hasattr(frames[2], "bytes") else bytes(frames[2])
+    return f"{message}: {raw[:1000].decode('utf-8', 'replace')}"
+
+
 class RequestType(bytes, enum.Enum):
     """One-byte type prefix of every client->engine frame.
 

@@ -40,6 +40,7 @@ from corefleet.engine.messages import (
     RequestType,
     SchedulerStats,
     UtilityCall,
+    death_message,
 )
 from corefleet.engine.transport.handshake import describe_exit, rank_identity
 from corefleet.engine.transport.serial import MsgpackDecoder, MsgpackEncoder
@@ -127,7 +128,7 @@ class MPClient:
     def _on_frames(self, frames: list[zmq.Frame]) -> EngineCoreOutputs | None:
         """Decode one engine message; returns outputs worth queueing, None otherwise."""
         if frames[0].bytes == ENGINE_CORE_DEAD:
-            self.mark_dead("the engine core hit a fatal error (ENGINE_CORE_DEAD)")
+            self.mark_dead(death_message(frames))
             return None
         try:
             outputs = self._decoder.decode(frames)

@@ -34,6 +34,7 @@ from corefleet.engine.messages import (
     Ready,
     ReadyResponse,
     RequestType,
+    death_message,
 )
 from corefleet.engine.transport.handshake import rank_identity
 from corefleet.engine.transport.serial import MsgpackDecoder, MsgpackEncoder
@@ -258,7 +259,7 @@ class FleetServer:
     def _on_output_message(self, frames: list[zmq.Frame]) -> None:
         if frames[0].bytes == ENGINE_CORE_DEAD:
             rank = int.from_bytes(frames[1].bytes, "little") if len(frames) > 1 else -1
-            self._dead(rank, "the engine core hit a fatal error (ENGINE_CORE_DEAD)")
+            self._dead(rank, death_message(frames))
             return
         try:
             outputs = self._outputs_decoder.decode(frames)

@@ -56,7 +56,7 @@ class EngineCore:
     ) -> None:
         clock = clock or StartupClock()
         if executor_class is None:
-            executor_class = resolve_executor_class(config.parallel.distributed_executor_backend)
+            executor_class = resolve_executor_class(config.parallel.executor_backend)
         started = time.perf_counter()
         self.model_path = resolve_model_path(config.model.model)
         arch = load_arch_config(self.model_path)

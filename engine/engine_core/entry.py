@@ -81,10 +81,10 @@ def run_engine_core(config: EngineConfig, proc_config: EngineProcConfig) -> int:
         _set_state(health, EngineState.READY)
         try:
             engine.run_busy_loop()
-        except Exception:
+        except Exception as exc:
             _set_state(health, EngineState.FAILED)
             logger.exception("engine core rank %d hit a fatal error", proc_config.rank)
-            engine.send_engine_dead()
+            engine.send_engine_dead(f"{type(exc).__name__}: {exc}")
             return 1
         _set_state(health, EngineState.STOPPED)
         logger.info("rank %d: shut down", engine.rank)

@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
@@ -55,10 +56,25 @@ class EngineSignal(enum.Enum):
 # What the busy loop receives: (kind, payload); payload is a Request (ADD), a list of ids
 # (ABORT), a UtilityCall (UTILITY), or as EngineSignal says.
 InputItem = tuple[RequestType | EngineSignal, Any]
-# What the output thread sends: (client index, outputs), STATS_NOW, ENGINE_CORE_DEAD, or None
-# (flush and stop).
-OutputItem = tuple[int, EngineCoreOutputs] | str | bytes | None
 STATS_NOW = "stats-now"
+# The most of a death's reason that travels with ENGINE_CORE_DEAD (a traceback's last line).
+MAX_DEATH_REASON_BYTES = 1000
+
+
+@dataclass(frozen=True)
+class DeadNotice:
+    """Tell the client this engine is dead, and why: ``[ENGINE_CORE_DEAD, rank, reason]``."""
+
+    reason: str
+
+    def frames(self, engine_index: int) -> list[bytes]:
+        reason = self.reason.encode("utf-8", "replace")[:MAX_DEATH_REASON_BYTES]
+        return [ENGINE_CORE_DEAD, engine_index.to_bytes(2, "little"), reason]
+
+
+# What the output thread sends: (client index, outputs), STATS_NOW, a DeadNotice, or None
+# (flush and stop).
+OutputItem = tuple[int, EngineCoreOutputs] | str | DeadNotice | None
 
 _DECODE_ERRORS = (msgspec.MsgspecError, ValueError, TypeError)
 _POLL_MS = 100
@@ -252,8 +268,8 @@ class OutputThread(threading.Thread):
                     item = STATS_NOW
                 if item is None:
                     return
-                if item == ENGINE_CORE_DEAD:
-                    sock.send_multipart([ENGINE_CORE_DEAD, self.engine_index.to_bytes(2, "little")])
+                if isinstance(item, DeadNotice):
+                    sock.send_multipart(item.frames(self.engine_index))
                     return
                 outputs = self._merge_backlog(item) if isinstance(item, tuple) else None
                 outputs = outputs or EngineCoreOutputs()

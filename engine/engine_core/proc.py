@@ -30,6 +30,7 @@ from corefleet.engine.engine_core.core import EngineCore, UnknownUtilityError
 from corefleet.engine.engine_core.health import EngineState, HealthServer
 from corefleet.engine.engine_core.io_threads import (
     STATS_NOW,
+    DeadNotice,
     EngineSignal,
     InputItem,
     error_outputs,
@@ -38,7 +39,6 @@ from corefleet.engine.engine_core.links import CoordinatorLinks, Joiner, LinkSet
 from corefleet.engine.engine_core.proc_config import EngineProcConfig
 from corefleet.engine.engine_core.startup import StartupClock
 from corefleet.engine.messages import (
-    ENGINE_CORE_DEAD,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineStats,
@@ -314,12 +314,13 @@ class EngineCoreProc(EngineCore):
         )
         self.joiner.wake()
 
-    def _on_executor_failure(self) -> None:
-        self.input_queue.put_nowait((EngineSignal.EXECUTOR_FAILED, "the model executor failed"))
+    def _on_executor_failure(self, reason: str) -> None:
+        self.input_queue.put_nowait((EngineSignal.EXECUTOR_FAILED, reason))
 
-    def send_engine_dead(self) -> None:
-        """Tell the client this engine is dead (after a fatal error), waiting up to 5 s."""
-        self.output_queue.put_nowait(ENGINE_CORE_DEAD)
+    def send_engine_dead(self, reason: str) -> None:
+        """Tell the client this engine is dead (after a fatal error) and why, waiting up to
+        5 s."""
+        self.output_queue.put_nowait(DeadNotice(reason))
         if not self.links.join_output_threads(5.0):
             logger.critical("rank %d: could not send ENGINE_CORE_DEAD within 5 s", self.rank)
 

@@ -14,6 +14,7 @@ are exactly those of calling the backend method by method
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ from corefleet.kernels.metadata import AttentionMetadata
 # per layer: k, v [num_blocks, bs, Hkv, D], the activations' dtype or --kv-cache-dtype's
 KVCache = tuple[torch.Tensor, torch.Tensor]
 Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, D]
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # the sum over tensor-parallel workers
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,7 @@ class LayerProgram:
         "paged_attention",
         "post_norm",
         "qkv",
+        "reduce",
         "rotary_to_cache",
         "shape",
         "silu_and_mul",
@@ -72,10 +75,12 @@ class LayerProgram:
         down: Linear,  # [T, I] -> [T, H]
         backend: KernelBackend,
         shape: AttentionShape,
+        reduce: Reduce | None = None,  # tensor parallelism: after o_proj and down
     ) -> None:
         self.input_norm, self.qkv, self.o_proj = input_norm, qkv, o_proj
         self.post_norm, self.gate_up, self.down = post_norm, gate_up, down
         self.shape = shape
+        self.reduce = reduce
         # Bound once: a method looked up on the backend is a new bound object every call.
         self.rotary_to_cache = backend.rotary_to_cache
         self.paged_attention = backend.paged_attention
@@ -91,8 +96,13 @@ class LayerProgram:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # the layer's output, the new residual: [T, H]
         x, residual = self.input_norm(hidden, residual)
         x = self._attention(x, kv_cache, meta, rotary)
+        if self.reduce is not None:  # each worker's heads gave a partial o_proj output
+            x = self.reduce(x)
         x, residual = self.post_norm(x, residual)
-        return self.down(self.silu_and_mul(self.gate_up(x))), residual
+        x = self.down(self.silu_and_mul(self.gate_up(x)))
+        if self.reduce is not None:
+            x = self.reduce(x)
+        return x, residual
 
     def _attention(
         self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, rotary: Rotary

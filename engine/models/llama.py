@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from corefleet.engine.models.arch import ArchConfig
-from corefleet.engine.models.layer_program import AttentionShape, KVCache, LayerProgram
+from corefleet.engine.models.layer_program import AttentionShape, KVCache, LayerProgram, Reduce
 from corefleet.engine.models.quant_layers import QuantEmbedding, QuantLinear, QuantPart
 from corefleet.engine.models.rope import build_cos_sin_cache
+from corefleet.engine.models.tensor_parallel import ShardPlan, VocabParallelEmbedding
 from corefleet.kernels import reference
 from corefleet.kernels.backend import KernelBackend, Linear, Norm
 from corefleet.kernels.gguf_quant import QuantFormat
@@ -149,9 +150,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.mlp = LlamaMLP(cfg, backend, make_linear, f"{prefix}mlp.")
 
-    def program(self, dtype: torch.dtype) -> LayerProgram:
+    def program(self, dtype: torch.dtype, reduce: Reduce | None = None) -> LayerProgram:
         """This layer's forward pass, bound to its current weights, for activations of
-        ``dtype`` (``layer_program``: why the modules do not run it themselves)."""
+        ``dtype`` (``layer_program``: why the modules do not run it themselves); ``reduce``
+        sums the row-parallel outputs over tensor-parallel workers."""
         attn, mlp = self.self_attn, self.mlp
         return LayerProgram(
             input_norm=self.input_layernorm.bind(),
@@ -162,6 +164,7 @@ class LlamaDecoderLayer(nn.Module):
             down=mlp.down_proj.bind(dtype),
             backend=attn.backend,
             shape=attn.shape,
+            reduce=reduce,
         )
 
 
@@ -175,17 +178,30 @@ class LlamaForCausalLM(nn.Module):
         max_positions: int,
         quantized: Mapping[str, QuantFormat] | None = None,
         dtype: torch.dtype = torch.float32,
+        shards: ShardPlan | None = None,
     ) -> None:
         """``quantized``: the block format of each weight (by HF name) kept quantized;
-        ``dtype``: the activations' dtype (what a quantized embedding dequantizes to)."""
+        ``dtype``: the activations' dtype (what a quantized embedding dequantizes to);
+        ``shards``: this worker's slices under tensor parallelism (``tensor_parallel``)."""
         super().__init__()
+        self.vocab_size = cfg.vocab_size  # the whole vocabulary, whatever this worker holds
+        self.shards = shards if shards is not None and shards.tp.enabled else None
+        if self.shards is not None:
+            if quantized:
+                raise ValueError(
+                    "tensor parallelism runs unquantized weights: pass --quantization none "
+                    "(a GGUF file's weights are then dequantized)"
+                )
+            cfg = self.shards.local_arch
         self.cfg = cfg
         self._programs: list[LayerProgram] | None = None  # see _layer_programs
         quantized = quantized or {}
         make_linear = LinearFactory(backend, quantized)
         embed_format = quantized.get("model.embed_tokens.weight")
-        self.embed_tokens: nn.Embedding | QuantEmbedding
-        if embed_format is not None:
+        self.embed_tokens: nn.Embedding | QuantEmbedding | VocabParallelEmbedding
+        if self.shards is not None:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.shards)
+        elif embed_format is not None:
             self.embed_tokens = QuantEmbedding(
                 cfg.vocab_size, cfg.hidden_size, embed_format, dtype, backend
             )
@@ -235,7 +251,8 @@ class LlamaForCausalLM(nn.Module):
         # may be replaced (_apply: .to(), .to_empty(), ...; loading; tying).
         if self._programs is None:
             dtype = self.norm.weight.dtype  # the activations' dtype
-            self._programs = [layer.program(dtype) for layer in self.layers]  # type: ignore[operator]
+            reduce = None if self.shards is None else self.shards.tp.all_reduce
+            self._programs = [layer.program(dtype, reduce) for layer in self.layers]  # type: ignore[operator]
         return self._programs
 
     def _apply(self, fn: Any, recurse: bool = True) -> LlamaForCausalLM:
@@ -252,11 +269,14 @@ class LlamaForCausalLM(nn.Module):
             table: torch.Tensor = self.embed_tokens.qweight  # type: ignore[assignment]
             self.lm_head.share_blocks(table)
         else:
-            assert isinstance(self.embed_tokens, nn.Embedding)
+            assert isinstance(self.embed_tokens, nn.Embedding | VocabParallelEmbedding)
             self.lm_head.weight = self.embed_tokens.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)  # [N, V] or, tensor-parallel, this worker's [N, V/tp]
+        if self.shards is not None:
+            logits = self.shards.tp.all_gather_columns(logits)[:, : self.vocab_size]
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up as they arrive."""
@@ -264,6 +284,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
+            if self.shards is not None:
+                tensor = self.shards.shard(hf_name, tensor)
             name, shard = _map_hf_name(hf_name)
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue

@@ -1,12 +1,12 @@
 """Runs the model runner off the engine's main thread so ``step()`` can overlap CPU work.
 
-One process, one device for now; the interface (``execute_model(..., non_block=True)`` returning
-a future, a failure callback) is what a multi-process tensor-parallel executor would keep.
+``UniProcExecutor`` is one device in this process; ``MultiprocExecutor`` (``multiproc_executor``)
+keeps the same interface (``execute_model(..., non_block=True)`` returning a future, a failure
+callback) over one worker process per device.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 from collections.abc import Callable
@@ -15,7 +15,6 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from corefleet.engine import envs
 from corefleet.engine.config import EngineConfig
 from corefleet.engine.core.scheduler_output import (
     GrammarOutput,
@@ -23,8 +22,8 @@ from corefleet.engine.core.scheduler_output import (
     SchedulerOutput,
 )
 from corefleet.engine.models.loader import load_arch_config
-from corefleet.engine.worker.cpu_allowance import read_allowance
-from corefleet.engine.worker.model_runner import TORCH_DTYPES, ModelRunner
+from corefleet.engine.worker.devices import resolve_device, resolve_dtype, set_cpu_threads
+from corefleet.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +34,9 @@ _Result = TypeVar("_Result")
 class Executor(Protocol):
     """What the engine needs from a model executor (``UniProcExecutor``, ``NullExecutor``)."""
 
-    def register_failure_callback(self, callback: Callable[[], None]) -> None:
-        """Have ``callback`` called (from any thread) when ``execute_model`` fails."""
+    def register_failure_callback(self, callback: Callable[[str], None]) -> None:
+        """Have ``callback`` called (from any thread), with the reason, when the executor
+        fails: ``execute_model`` raises, or a worker process dies."""
         ...
 
     def determine_num_blocks(self) -> int:
@@ -68,47 +68,11 @@ class Executor(Protocol):
 ExecutorFactory = Callable[[EngineConfig, str], Executor]
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(
-    requested: str, checkpoint_dtype: str | None, device: torch.device
-) -> torch.dtype:
-    """``auto``: the checkpoint's half-precision type on GPU; float32 on CPU (as vLLM on CPU
-    without a bf16 request)."""
-    if requested != "auto":
-        return TORCH_DTYPES[requested]
-    if device.type == "cuda":
-        return (
-            torch.bfloat16
-            if checkpoint_dtype in (None, "bfloat16", "float32")
-            else TORCH_DTYPES.get(checkpoint_dtype, torch.bfloat16)
-        )
-    return torch.float32
-
-
-def _set_cpu_threads() -> None:
-    """Size torch's thread pool (which the C++ CPU ops' parallel loops use too) to this process's
-    CPU allowance, not the node: a thread per node core on a share of them stalls every parallel
-    region behind the threads that wait for a core."""
-    allowance = read_allowance(envs.cpu_threads(), envs.cpu_request_millicores())
-    torch.set_num_threads(allowance.threads)
-    # The engine runs no inter-op parallel work (no torch.jit.fork); one inter-op thread keeps a
-    # stray one from adding a second pool. torch allows setting it only once per process, before
-    # any such work: a second executor in the same process (offline tests) keeps the first value.
-    with contextlib.suppress(RuntimeError):
-        torch.set_num_interop_threads(1)
-    logger.debug("CPU threads: %s", allowance.describe())
-
-
 class UniProcExecutor:
     """The model runner on a single background thread."""
 
     def __init__(self, config: EngineConfig, model_path: str) -> None:
-        _set_cpu_threads()
+        set_cpu_threads()
         torch.manual_seed(config.model.seed)
         arch = load_arch_config(model_path)
         device = resolve_device(config.device.device)
@@ -119,9 +83,9 @@ class UniProcExecutor:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="corefleet-executor")
         self.runner = ModelRunner(config, arch, model_path, device, dtype)
         self._pool.submit(self.runner.load_model).result()
-        self._failure_callback: Callable[[], None] | None = None
+        self._failure_callback: Callable[[str], None] | None = None
 
-    def register_failure_callback(self, callback: Callable[[], None]) -> None:
+    def register_failure_callback(self, callback: Callable[[str], None]) -> None:
         """Called (from the executor thread) when ``execute_model`` raises."""
         self._failure_callback = callback
 
@@ -145,10 +109,10 @@ class UniProcExecutor:
     def _run(self, method: Callable[[_Arg], _Result], arg: _Arg) -> _Result:
         try:
             return method(arg)
-        except BaseException:
+        except BaseException as exc:
             logger.exception("execute_model failed")
             if self._failure_callback is not None:
-                self._failure_callback()
+                self._failure_callback(f"the model executor failed: {exc!r}")
             raise
 
     def shutdown(self) -> None:
@@ -156,12 +120,16 @@ class UniProcExecutor:
 
 
 def resolve_executor_class(backend: str) -> ExecutorFactory:
-    """``uni`` or an importable ``module:Class`` (see ``ParallelConfig``).
+    """``uni``, ``mp`` or an importable ``module:Class`` (see ``ParallelConfig``).
 
     An imported class is only checked to be a class; it is trusted to implement :class:`Executor`.
     """
     if backend == "uni":
         return UniProcExecutor
+    if backend == "mp":
+        from corefleet.engine.worker.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor
     module_name, _, class_name = backend.partition(":")
     try:
         module = importlib.import_module(module_name)

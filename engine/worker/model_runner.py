@@ -15,7 +15,9 @@ from corefleet.engine.models.arch import ArchConfig
 from corefleet.engine.models.gguf_metadata import release_gguf_reader
 from corefleet.engine.models.llama import KVCache, LlamaForCausalLM
 from corefleet.engine.models.rope import build_cos_sin_cache
+from corefleet.engine.models.tensor_parallel import ShardPlan, TensorParallel
 from corefleet.engine.models.weights import load_weights, quantized_weights
+from corefleet.engine.worker.attention_inputs import AttentionInputs
 from corefleet.engine.worker.input_batch import InputBatch, RequestState, StepInputs
 from corefleet.engine.worker.kv_budget import cpu_kv_cache_budget
 from corefleet.engine.worker.logit_masks import ban_stop_tokens_below_min_tokens, grammar_rows
@@ -31,7 +33,10 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 
 class ModelRunner:
-    """Owns the model, its KV cache and the per-request batch state on one device."""
+    """Owns the model, its KV cache and the per-request batch state on one device.
+
+    Under tensor parallelism every worker runs one, on its slices of the model and of the KV
+    cache (its KV heads); all of them sample, and worker 0's tokens are the step's."""
 
     def __init__(
         self,
@@ -40,9 +45,14 @@ class ModelRunner:
         model_path: str,
         device: torch.device,
         dtype: torch.dtype,
+        tp: TensorParallel | None = None,
     ) -> None:
         self.config = config
         self.arch = arch
+        self.tp = tp or TensorParallel()
+        self.shards = ShardPlan(arch, self.tp) if self.tp.enabled else None
+        # This worker's KV heads: the cache holds only these.
+        self.num_kv_heads = (self.shards.local_arch if self.shards else arch).num_key_value_heads
         self.model_path = model_path
         self.device = device
         self.dtype = dtype
@@ -59,15 +69,21 @@ class ModelRunner:
         # A forward pass waiting for its grammar mask (structured outputs): its inputs, hidden.
         self._pending_sample: tuple[StepInputs, torch.Tensor] | None = None
         self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len, self.block_size)
+        self.attention_inputs = AttentionInputs(
+            self.batch, self.backend.needs_block_tables, self.block_size, self._to_device
+        )
 
     # ---- start-up -------------------------------------------------------------------------
 
     def load_model(self) -> None:
         started = time.perf_counter()
-        quantized = quantized_weights(self.model_path, self.config.model.quantization)
+        quantization = self.config.model.quantization
+        if self.tp.enabled and quantization == "auto":
+            quantization = "none"  # the GGUF block kernels are not split: dequantize
+        quantized = quantized_weights(self.model_path, quantization)
         with torch.device("meta"):
             model = LlamaForCausalLM(
-                self.arch, self.backend, self.max_model_len, quantized, self.dtype
+                self.arch, self.backend, self.max_model_len, quantized, self.dtype, self.shards
             )
         model = model.to_empty(device=self.device).to(self.dtype)
         # The rotary table is computed, not loaded: rebuild it after materialising.
@@ -90,7 +106,7 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         a = self.arch
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return 2 * a.num_hidden_layers * self.block_size * a.num_key_value_heads * a.head_dim * elem
+        return 2 * a.num_hidden_layers * self.block_size * self.num_kv_heads * a.head_dim * elem
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit the KV budget: ``--kv-cache-memory`` on CPU, a fraction of GPU memory
@@ -159,7 +175,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         a = self.arch
-        shape = (num_blocks, self.block_size, a.num_key_value_heads, a.head_dim)
+        shape = (num_blocks, self.block_size, self.num_kv_heads, a.head_dim)
         self.kv_caches = [
             (_zeros(shape, self.kv_dtype, self.device), _zeros(shape, self.kv_dtype, self.device))
             for _ in range(a.num_hidden_layers)
@@ -199,7 +215,7 @@ class ModelRunner:
         """Apply the scheduler's changes to the batch state and build this step's inputs."""
         self._update_states(so)
         inputs = self.batch.prepare(so.num_scheduled_tokens)
-        return inputs, self._attention_metadata(inputs)
+        return inputs, self.attention_inputs.metadata(inputs)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -226,75 +242,6 @@ class ModelRunner:
                 [requests[r].row for r, _ in grown], [b for _, b in grown]
             )
 
-    def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
-        if self.backend.needs_block_tables:
-            return self._block_table_metadata(inputs)
-        nd = inputs.num_decodes
-        decode_blocks = decode_lens = None
-        if nd:
-            blocks = self.batch.decode_blocks(inputs.rows[:nd], inputs.context_lens[:nd])
-            decode_blocks = self._to_device(blocks)  # [Bd, nb]
-            decode_lens = self._to_device(inputs.context_lens[:nd])  # [Bd]
-        prefills = []
-        token_start = nd
-        for i in range(nd, len(inputs.req_ids)):
-            n, ctx = int(inputs.query_lens[i]), int(inputs.context_lens[i])
-            slots_i: torch.Tensor | None = None
-            if ctx > n:  # part of the context is already cached: attend through the cache
-                context_slots, _ = self.batch.context_slots(
-                    inputs.rows[i : i + 1], inputs.context_lens[i : i + 1], ctx
-                )
-                slots_i = self._to_device(context_slots[0])
-            prefills.append(PrefillSpan(token_start, n, ctx, slots_i))
-            token_start += n
-        token_blocks, token_lens = decode_blocks, decode_lens
-        if prefills:
-            token_blocks, token_lens = self._token_rows(inputs)
-        return AttentionMetadata(
-            num_tokens=len(inputs.input_ids),
-            slot_mapping=self._to_device(inputs.slot_mapping),
-            num_decodes=nd,
-            decode_block_table=decode_blocks,
-            decode_mask=None,  # derived from decode_lens by the backend that needs one
-            decode_context_lens=decode_lens,
-            prefills=prefills,
-            token_block_table=token_blocks,
-            token_context_lens=token_lens,
-        )
-
-    def _token_rows(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every new token's request blocks and context length (its position + 1)."""
-        query_lens = inputs.query_lens  # [B]
-        first_token = np.cumsum(query_lens) - query_lens  # [B] each request's first row
-        rows = np.repeat(inputs.rows, query_lens)  # [T] batch row of each token
-        offset = np.arange(len(rows)) - np.repeat(first_token, query_lens)  # [T] in its request
-        lens = np.repeat(inputs.context_lens - query_lens, query_lens) + offset + 1  # [T]
-        blocks = self.batch.decode_blocks(rows, lens)  # [T, nb]
-        return self._to_device(blocks), self._to_device(lens)
-
-    def _block_table_metadata(self, inputs: StepInputs) -> AttentionMetadata:
-        """For kernels that walk block tables themselves (Triton, flash-attn): each request's
-        blocks, context length and query rows, and none of the torch path's gathers."""
-        max_seq_len = int(inputs.context_lens.max())
-        num_blocks = -(-max_seq_len // self.block_size)
-        tables = self.batch.block_table[inputs.rows, :num_blocks].astype(np.int32)  # [B, nb]
-        query_start_loc = np.zeros(len(inputs.rows) + 1, dtype=np.int32)  # [B + 1]
-        np.cumsum(inputs.query_lens, out=query_start_loc[1:])
-        return AttentionMetadata(
-            num_tokens=len(inputs.input_ids),
-            slot_mapping=self._to_device(inputs.slot_mapping),
-            num_decodes=inputs.num_decodes,
-            decode_block_table=None,
-            decode_mask=None,
-            decode_context_lens=None,
-            prefills=[],
-            block_tables=self._to_device(tables),
-            seq_lens=self._to_device(inputs.context_lens.astype(np.int32)),
-            query_start_loc=self._to_device(query_start_loc),
-            max_query_len=int(inputs.query_lens.max()),
-            max_seq_len=max_seq_len,
-        )
-
     def _sample(
         self, inputs: StepInputs, hidden: torch.Tensor, grammar: GrammarOutput | None = None
     ) -> ModelRunnerOutput:
@@ -320,6 +267,9 @@ class ModelRunner:
         banned = None if grammar is None else grammar_rows(grammar, states, self.device)
         out = self.sampler(logits, meta, banned)
         sampled = out.sampled_token_ids
+        if self.tp.enabled:  # the same tokens on every worker, however they were drawn
+            shared = torch.tensor(sampled, dtype=torch.long, device=self.device)
+            sampled = self.tp.broadcast_from_first(shared).tolist()
         self.batch.append_tokens(inputs.rows[sampling_idx], np.asarray(sampled, dtype=np.int64))
         sampled_by_req: list[list[int]] = [[] for _ in inputs.req_ids]
         for k, i in enumerate(sampling_idx.tolist()):

@@ -38,7 +38,7 @@ class NullExecutor:
         self._num_tokens: dict[str, int] = {}  # request id -> tokens it has (prompt + output)
         self._pending: ModelRunnerOutput | None = None  # a step waiting for its grammar mask
 
-    def register_failure_callback(self, callback: Callable[[], None]) -> None:
+    def register_failure_callback(self, callback: Callable[[str], None]) -> None:
         """Part of the interface only: a step without a model never fails."""
         del callback
 

@@ -20,7 +20,7 @@ from corefleet.engine.worker.cpu_allowance import (
     read_allowance,
     request_cores,
 )
-from corefleet.engine.worker.executor import _set_cpu_threads
+from corefleet.engine.worker.devices import set_cpu_threads
 
 AFFINITY = tuple(sorted(os.sched_getaffinity(0)))
 
@@ -152,14 +152,14 @@ def test_executor_sizes_torch_threads_from_the_allowance(monkeypatch: pytest.Mon
     before = torch.get_num_threads()
     try:
         monkeypatch.setenv("COREFLEET_CPU_THREADS", "1")
-        _set_cpu_threads()
+        set_cpu_threads()
         assert torch.get_num_threads() == 1
         monkeypatch.delenv("COREFLEET_CPU_THREADS")
         monkeypatch.delenv("COREFLEET_CPU_REQUEST_MILLICORES", raising=False)
-        _set_cpu_threads()
+        set_cpu_threads()
         assert torch.get_num_threads() == read_allowance().threads
         monkeypatch.setenv("COREFLEET_CPU_THREADS", str(len(AFFINITY) + 1))
         with pytest.raises(ValueError, match="does not fit"):
-            _set_cpu_threads()
+            set_cpu_threads()
     finally:
         torch.set_num_threads(before)

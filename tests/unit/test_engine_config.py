@@ -101,17 +101,20 @@ def test_hashes_of_all_single_field_changes_are_distinct() -> None:
 # --- ParallelConfig validation ---------------------------------------------------------------
 
 
-def test_tensor_parallel_size_above_one_is_refused() -> None:
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        ParallelConfig(tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig.from_kwargs(tensor_parallel_size=2)
+def test_tensor_parallel_size_is_bounded_and_picks_the_multiprocess_executor() -> None:
+    for size in (0, -1, 9, 2**31):
+        with pytest.raises(ValueError, match="tensor_parallel_size"):
+            ParallelConfig(tensor_parallel_size=size)
+    assert ParallelConfig().executor_backend == "uni"
+    assert ParallelConfig(tensor_parallel_size=2).executor_backend == "mp"
+    assert ParallelConfig(distributed_executor_backend="mp").executor_backend == "mp"
+    config = EngineConfig.from_kwargs(tensor_parallel_size=8)
+    assert config.parallel.tensor_parallel_size == 8
 
 
 @pytest.mark.parametrize(
     "backend",
     [
-        "mp",
         "ray",
         "",
         "corefleet.engine.worker.null_executor.NullExecutor",
@@ -119,7 +122,7 @@ def test_tensor_parallel_size_above_one_is_refused() -> None:
         ":NullExecutor",
     ],
 )
-def test_executor_backend_must_be_uni_or_module_colon_class(backend: str) -> None:
+def test_executor_backend_must_be_uni_mp_or_module_colon_class(backend: str) -> None:
     with pytest.raises(ValueError, match="distributed_executor_backend"):
         ParallelConfig(distributed_executor_backend=backend)
 

@@ -1,0 +1,153 @@
+"""Tensor parallelism on the CPU (gloo): worker processes, each on its slice of the model, give
+the tokens one worker gives; a worker's death ends the engine with its name; none outlives it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+from corefleet.engine import LLM, SamplingParams
+from corefleet.engine.client.base import EngineDeadError, MPClientOptions
+from corefleet.engine.client.mp import SyncMPClient
+from corefleet.engine.messages import EngineCoreRequest
+from tests.engine_proc_support import PROMPTS, collect, greedy, tiny_config
+from tests.fixtures_models import write_tiny_llama, write_tiny_model
+
+pytestmark = pytest.mark.slow
+
+TEXTS = ["Hello world", "The quick brown fox", "def add(a, b):", "Once upon a time"]
+
+
+def _tokens(model: Path, params: SamplingParams, **engine_args: object) -> list[list[int]]:
+    llm = LLM(
+        str(model),
+        multiprocess=False,
+        dtype="float32",
+        kv_cache_memory=8 << 20,
+        block_size=4,
+        **engine_args,
+    )
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(TEXTS, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("architecture", "num_kv_heads", "tied", "tp"),
+    [
+        ("llama", 2, False, 2),  # a KV head per worker
+        ("llama", 1, False, 2),  # fewer KV heads than workers: each worker holds the one
+        ("qwen2", 2, True, 2),  # q/k/v biases, a tied LM head (vocabulary-parallel, shared)
+        ("llama", 4, False, 4),  # a head per worker, 4 processes on 2 cores
+    ],
+)
+def test_greedy_tokens_equal_one_worker_s(
+    tmp_path: Path, architecture: str, num_kv_heads: int, tied: bool, tp: int
+) -> None:
+    model = write_tiny_model(
+        tmp_path / "m",
+        architecture=architecture,
+        num_kv_heads=num_kv_heads,
+        tie_word_embeddings=tied,
+    )
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    assert _tokens(model, params, tensor_parallel_size=tp) == _tokens(model, params)
+
+
+def test_chunked_prefill_preemption_and_seeded_sampling_match_one_worker(tmp_path: Path) -> None:
+    model = write_tiny_llama(tmp_path / "m")
+    # 8 tokens a step: every prompt is prefilled in chunks; 24 blocks of 4 tokens for four
+    # requests of up to ~40 tokens: some are preempted and recomputed.
+    tight = {"max_num_batched_tokens": 8, "num_gpu_blocks_override": 24}
+    params = SamplingParams(max_tokens=32, temperature=0.8, seed=7, ignore_eos=True)
+    assert _tokens(model, params, tensor_parallel_size=2, **tight) == _tokens(
+        model, params, **tight
+    )
+
+
+def test_unseeded_random_sampling_keeps_the_workers_in_step(tmp_path: Path) -> None:
+    # Each worker draws its own random numbers; worker 0's tokens are broadcast, so the
+    # batches stay the same and the run ends with every request's full length.
+    model = write_tiny_llama(tmp_path / "m")
+    params = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+    tokens = _tokens(model, params, tensor_parallel_size=2)
+    assert [len(t) for t in tokens] == [24] * len(TEXTS)
+
+
+def test_a_layout_the_model_cannot_split_is_refused_with_its_reason(tmp_path: Path) -> None:
+    model = write_tiny_llama(tmp_path / "m")  # 4 attention heads
+    with pytest.raises(ValueError, match=r"4 attention heads.*3 workers cannot split"):
+        _tokens(model, SamplingParams(max_tokens=1), tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        _tokens(model, SamplingParams(max_tokens=1), tensor_parallel_size=1000)
+
+
+def _workers(engine_pid: int) -> list[psutil.Process]:
+    return [
+        p
+        for p in psutil.Process(engine_pid).children()
+        if "corefleet.engine.worker.worker_proc" in " ".join(p.cmdline())
+    ]
+
+
+def _gone(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"condition not met within {timeout} s"
+        time.sleep(0.05)
+
+
+def _engine(model: Path) -> SyncMPClient:
+    return SyncMPClient(tiny_config(model, tensor_parallel_size=2), MPClientOptions())
+
+
+def test_a_killed_worker_ends_the_engine_naming_the_worker(tmp_path: Path) -> None:
+    client = _engine(write_tiny_llama(tmp_path / "m"))
+    try:
+        assert client.resources.process is not None
+        workers = _workers(client.resources.process.pid)
+        assert len(workers) == 2
+        for i in range(8):
+            client.add_request(EngineCoreRequest(f"r{i}", PROMPTS[i % 4], greedy(2000)))
+        os.kill(workers[1].pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match=r"worker 1 \(pid \d+\) was killed by SIGKILL"):
+            collect(client, {f"r{i}" for i in range(8)}, timeout=120)
+        # The engine process exits, and takes its other worker with it.
+        _wait_for(lambda: _gone(workers[0]), 30)
+    finally:
+        client.shutdown()
+
+
+def test_no_worker_outlives_its_engine(tmp_path: Path) -> None:
+    model = write_tiny_llama(tmp_path / "m")
+    client = _engine(model)
+    assert client.resources.process is not None
+    workers = _workers(client.resources.process.pid)
+    client.add_request(EngineCoreRequest("a", PROMPTS[0], greedy(4)))
+    collect(client, {"a"})
+    client.shutdown()  # an orderly stop
+    _wait_for(lambda: all(_gone(w) for w in workers), 30)
+
+    client = _engine(model)  # and a SIGKILLed engine: the workers see their stdin close
+    assert client.resources.process is not None
+    workers = _workers(client.resources.process.pid)
+    try:
+        os.kill(client.resources.process.pid, signal.SIGKILL)
+        _wait_for(lambda: all(_gone(w) for w in workers), 30)
+    finally:
+        client.shutdown()
