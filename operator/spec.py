@@ -33,6 +33,8 @@ ROUTING_FLAGS = {
 # equal: the operator does not import the engine).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 MAX_RANKS = 1024  # the CRD's maximum of dataParallelSize
+MAX_TENSOR_PARALLEL = 8  # a rank's workers share one node: its GPUs (the engine's bound too)
+GPU_RESOURCE = "nvidia.com/gpu"
 MAX_COORDINATORS = 100  # the CRD's maximum of coordinator.replicas and autoscaling bounds
 VOLUME_SOURCES = ("persistentVolumeClaim", "hostPath", "nfs", "image", "csi")
 
@@ -313,6 +315,8 @@ def parse_spec(spec: Mapping[str, Any]) -> EngineSpec:
     model = _model(_obj(spec.get("model"), "spec.model")) if "model" in spec else None
     if model is None:
         raise InvalidSpec("spec.model is required")
+    tensor_parallel_size = _int(spec, "tensorParallelSize", "spec", 1, 1, MAX_TENSOR_PARALLEL)
+    _check_gpus(_obj(spec.get("resources"), "spec.resources"), tensor_parallel_size)
     return EngineSpec(
         model=model,
         image=image,
@@ -325,9 +329,28 @@ def parse_spec(spec: Mapping[str, Any]) -> EngineSpec:
         affinity=spec.get("affinity"),
         env=tuple(spec.get("env") or ()),
         data_parallel_size=_int(spec, "dataParallelSize", "spec", 1, 0, MAX_RANKS),
-        tensor_parallel_size=_int(spec, "tensorParallelSize", "spec", 1, 1, 64),
+        tensor_parallel_size=tensor_parallel_size,
         engine=_engine(_obj(spec.get("engine"), "spec.engine"), model),
         shutdown=_shutdown(_obj(spec.get("shutdown"), "spec.shutdown")),
         coordinator=_coordinator(_obj(spec.get("coordinator"), "spec.coordinator")),
         progress_deadline_seconds=_int(spec, "progressDeadlineSeconds", "spec", 600, 1),
     )
+
+
+def _check_gpus(resources: Mapping[str, Any], tensor_parallel_size: int) -> None:
+    """A rank runs one worker per GPU: a GPU count that is not ``tensorParallelSize`` would
+    start workers on GPUs the pod does not have (a crash loop), or leave GPUs idle."""
+    for section in ("limits", "requests"):
+        value = _obj(resources.get(section), f"spec.resources.{section}").get(GPU_RESOURCE)
+        if value is None:
+            continue
+        try:
+            count = int(str(value))
+        except ValueError:
+            count = -1
+        if count != tensor_parallel_size:
+            raise InvalidSpec(
+                f"spec.resources.{section}['{GPU_RESOURCE}'] is {value!r}, but "
+                f"tensorParallelSize {tensor_parallel_size} runs one worker per GPU: ask for "
+                f"{tensor_parallel_size}"
+            )

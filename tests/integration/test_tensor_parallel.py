@@ -151,3 +151,24 @@ def test_no_worker_outlives_its_engine(tmp_path: Path) -> None:
         _wait_for(lambda: all(_gone(w) for w in workers), 30)
     finally:
         client.shutdown()
+
+
+def test_smollm2_greedy_tokens_equal_one_worker_s_with_three_workers() -> None:
+    # SmolLM2-135M has 9 heads and 3 KV heads: 3 workers (2 cannot split it). Its GGUF blocks
+    # are dequantized under tensor parallelism, so the single worker reads them so too.
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    runs = []
+    for tp in (1, 3):
+        llm = LLM(
+            multiprocess=False,
+            dtype="float32",
+            kv_cache_memory=64 << 20,
+            quantization="none",
+            tensor_parallel_size=tp,
+        )
+        try:
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy)])
+        finally:
+            llm.shutdown()
+    assert runs[0] == runs[1] and all(len(t) == 24 for t in runs[0])

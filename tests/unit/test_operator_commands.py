@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 
 from corefleet.engine.cli import build_parser
+from corefleet.engine.config import MAX_TENSOR_PARALLEL
 from corefleet.engine.openai.tool_options import tool_options_from_args
 from corefleet.engine.openai.tool_parsers import PARSER_NAMES
 from corefleet.operator.flags import coordinator_args
 from corefleet.operator.naming import Owner
 from corefleet.operator.resources import build_engine_pod
+from corefleet.operator.spec import MAX_TENSOR_PARALLEL as OPERATOR_MAX_TENSOR_PARALLEL
 from corefleet.operator.spec import ROUTING_FLAGS, TOOL_CALL_PARSERS
 
 sys.path.insert(0, str(Path(__file__).parent / "operator"))
@@ -23,6 +25,7 @@ EXTRAS = [
     {"shutdown": {"mode": "Abort"}},
     *({"coordinator": {"routing": r, "replicas": 2}} for r in sorted(ROUTING_FLAGS)),
     *({"coordinator": {"toolCallParser": name}} for name in TOOL_CALL_PARSERS),
+    {"tensorParallelSize": 2},
 ]
 
 
@@ -32,6 +35,7 @@ def test_rank_and_coordinator_commands_parse(extra: dict[str, object]) -> None:
     pod = build_engine_pod(Owner("x", "default", "uid"), the_spec, 1)
     rank = build_parser().parse_args(pod["spec"]["containers"][0]["args"])
     assert rank.rank == 1 and rank.model == the_spec.model.path
+    assert rank.tensor_parallel_size == the_spec.tensor_parallel_size
     coordinator = build_parser().parse_args(coordinator_args("x", the_spec))
     assert coordinator.block_size == the_spec.engine.block_size
     assert coordinator.shutdown_timeout == the_spec.shutdown.effective_timeout_seconds
@@ -45,3 +49,7 @@ def test_the_tool_call_parser_reaches_the_coordinator_and_enables_auto() -> None
         assert options.auto_parser == name
     plain = build_parser().parse_args(coordinator_args("x", spec(1)))
     assert tool_options_from_args(plain).auto_parser is None
+
+
+def test_the_operator_and_the_engine_bound_tensor_parallelism_alike() -> None:
+    assert OPERATOR_MAX_TENSOR_PARALLEL == MAX_TENSOR_PARALLEL

@@ -41,7 +41,7 @@ VALID = {
             "maxModelLen": 8192,
         },
         imagePullPolicy="Always",
-        resources={"limits": {"nvidia.com/gpu": 1, "memory": "64Gi"}, "requests": {"cpu": "8"}},
+        resources={"limits": {"nvidia.com/gpu": 2, "memory": "64Gi"}, "requests": {"cpu": "8"}},
         nodeSelector={"nvidia.com/gpu.product": "H100"},
         tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         affinity={"nodeAffinity": {}},
@@ -106,6 +106,7 @@ INVALID = {  # name -> (manifest, a fragment of the refusal)
     "relative model path": (manifest(model={"path": "models/x"}), "does not match"),
     "negative ranks": (manifest(dataParallelSize=-1), "less than the minimum"),
     "zero tensor parallel": (manifest(tensorParallelSize=0), "less than the minimum"),
+    "tensor parallel beyond a node": (manifest(tensorParallelSize=9), "greater than the maximum"),
     "unknown dtype": (manifest(model={"path": "/m", "dtype": "int8"}), "is not one of"),
     "odd block size": (manifest(engine={"blockSize": 12}), "is not one of"),
     "zero memory share": (manifest(engine={"gpuMemoryUtilization": 0}), "less than or equal"),
@@ -224,6 +225,7 @@ CEL_ONLY = [
 # replica count of 2**31 must end as a Degraded engine, never as a Deployment that asks for it.
 SCHEMA_MIRRORED = [
     "unknown tool call parser",
+    "tensor parallel beyond a node",
     "no coordinator",
     "absurd coordinator count",
     "coordinators as a string",
@@ -350,3 +352,19 @@ def test_status_written_by_the_operator_fits_the_schema():
     )
     body = {**defaulted(BASE), "status": status}
     assert errors(body) == []
+
+
+@pytest.mark.parametrize(
+    "resources",
+    [
+        {"limits": {"nvidia.com/gpu": 1}},
+        {"requests": {"nvidia.com/gpu": "4"}, "limits": {"nvidia.com/gpu": "4"}},
+        {"limits": {"nvidia.com/gpu": "two"}},
+    ],
+)
+def test_a_gpu_count_other_than_the_tensor_parallel_size_is_refused(resources):
+    with pytest.raises(InvalidSpec, match=r"tensorParallelSize 2 runs one worker per GPU"):
+        parse_spec({**BASE["spec"], "tensorParallelSize": 2, "resources": resources})
+    both = {"limits": {"nvidia.com/gpu": 2}, "requests": {"nvidia.com/gpu": "2"}}
+    assert parse_spec({**BASE["spec"], "tensorParallelSize": 2, "resources": both})
+    assert parse_spec({**BASE["spec"], "tensorParallelSize": 2})  # a CPU fleet asks for none
