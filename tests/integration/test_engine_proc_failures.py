@@ -218,7 +218,7 @@ def test_exception_inside_execute_model_reaches_the_client_as_engine_dead(
         client.add_request(EngineCoreRequest("doomed", PROMPTS[0], greedy(50)))
         # The reason travels with ENGINE_CORE_DEAD: the client can say what failed.
         with pytest.raises(
-            EngineDeadError, match="ENGINE_CORE_DEAD.*injected failure inside execute_model"
+            EngineDeadError, match=r"ENGINE_CORE_DEAD.*injected failure inside execute_model"
         ):
             collect(client, {"doomed"}, timeout=30)
         assert client.resources.process is not None
