@@ -104,8 +104,10 @@ def write_tiny_model(
     add_bos_token: bool | None = None,
     hidden_size: int = 64,
     intermediate_size: int = 128,
+    num_hidden_layers: int = 2,
 ) -> Path:
-    """Write a random 2-layer ``llama``, ``mistral`` or ``qwen2`` model in HF format to path.
+    """Write a random ``llama``, ``mistral`` or ``qwen2`` model (2 layers unless told) in HF
+    format to path.
 
     hidden 64, 4 heads (head_dim 16), ``num_kv_heads`` KV heads, intermediate 128, vocab 320
     (hidden and intermediate can be raised: GGUF K-quants need multiples of 256).
@@ -124,7 +126,7 @@ def write_tiny_model(
         vocab_size=TINY_VOCAB,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
-        num_hidden_layers=2,
+        num_hidden_layers=num_hidden_layers,
         num_attention_heads=4,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=256,
