@@ -242,7 +242,8 @@ class ParallelConfig:
     ``mp`` (one worker process per device: ``tensor_parallel_size`` of them) or an importable
     ``module:Class`` with the executor interface, e.g.
     ``corefleet.engine.worker.null_executor:NullExecutor`` to measure the engine without a model.
-    With ``tensor_parallel_size`` above 1, ``uni`` means ``mp`` (as vLLM picks it).
+    With several workers (``tensor_parallel_size`` x ``pipeline_parallel_size`` above 1), ``uni``
+    means ``mp`` (as vLLM picks it).
     """
 
     tensor_parallel_size: int = field(
@@ -252,11 +253,19 @@ class ParallelConfig:
             f"(1-{MAX_TENSOR_PARALLEL})"
         ),
     )
+    pipeline_parallel_size: int = field(
+        default=1,
+        metadata=engine_arg(
+            "pipeline stages per rank: the layers split in order, one worker process per stage "
+            f"and device, up to that many batches in flight (tensor x pipeline: 1-"
+            f"{MAX_TENSOR_PARALLEL})"
+        ),
+    )
     distributed_executor_backend: str = field(
         default="uni",
         metadata=engine_arg(
             "uni (the model on one thread of the engine process), mp (one worker process per "
-            "device; used whenever tensor_parallel_size > 1) or an importable module:Class, e.g. "
+            "device; used whenever there are several) or an importable module:Class, e.g. "
             "corefleet.engine.worker.null_executor:NullExecutor (no model: measures the engine's "
             "own overhead)"
         ),
@@ -269,6 +278,14 @@ class ParallelConfig:
             self.tensor_parallel_size,
             f"must be between 1 and {MAX_TENSOR_PARALLEL} (the devices of one node)",
         )
+        _require(
+            1 <= self.pipeline_parallel_size <= MAX_TENSOR_PARALLEL
+            and self.world_size <= MAX_TENSOR_PARALLEL,
+            "pipeline_parallel_size",
+            self.pipeline_parallel_size,
+            f"must be at least 1, with tensor_parallel_size x pipeline_parallel_size at most "
+            f"{MAX_TENSOR_PARALLEL} (the devices of one node)",
+        )
         backend = self.distributed_executor_backend
         _require(
             backend in ("uni", "mp") or (":" in backend and all(backend.split(":"))),
@@ -278,10 +295,15 @@ class ParallelConfig:
         )
 
     @property
+    def world_size(self) -> int:
+        """Worker processes (and devices) per rank."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def executor_backend(self) -> str:
         """The backend that runs: ``mp`` in place of ``uni`` when there are several workers."""
         backend = self.distributed_executor_backend
-        return "mp" if backend == "uni" and self.tensor_parallel_size > 1 else backend
+        return "mp" if backend == "uni" and self.world_size > 1 else backend
 
 
 @dataclass(frozen=True)

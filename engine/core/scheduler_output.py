@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from corefleet.engine.messages import Logprobs, SamplingParams
+from corefleet.engine.request import Request
 
 
 @dataclass
@@ -29,11 +31,23 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)  # blocks allocated this step
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step
+    # Pipeline parallelism only: the token ids each request computes this step. No worker
+    # samples what the next step needs in time (the last stage samples, steps later), so the
+    # engine says it; empty otherwise.
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
     def remove(self, req_id: str) -> None:
         """Drop one request's entries (a request preempted after it was scheduled)."""
         i = self.req_ids.index(req_id)
         del self.req_ids[i], self.new_block_ids[i], self.num_computed_tokens[i]
+
+
+@dataclass
+class GrammarOutput:
+    """The allowed tokens of a step's constrained requests, computed while the model ran."""
+
+    req_ids: list[str]  # row k of ``banned`` is for req_ids[k]
+    banned: np.ndarray  # [K, V] bool: True where the grammar forbids the token
 
 
 @dataclass
@@ -50,14 +64,10 @@ class SchedulerOutput:
     # Requests with a grammar that sample a token this step, in the order of the engine's
     # grammar bitmask rows (structured outputs); empty for most batches.
     structured_output_req_ids: list[str] = field(default_factory=list)
-
-
-@dataclass
-class GrammarOutput:
-    """The allowed tokens of a step's constrained requests, computed while the model ran."""
-
-    req_ids: list[str]  # row k of ``banned`` is for req_ids[k]
-    banned: np.ndarray  # [K, V] bool: True where the grammar forbids the token
+    # Pipeline parallelism only: their masks, computed before the step is launched (its
+    # requests are not in flight, so their matchers are current). Otherwise the engine
+    # computes them while the model runs and hands them to sample_tokens.
+    grammar: GrammarOutput | None = None
 
 
 @dataclass
@@ -67,3 +77,13 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
+
+
+def attach_token_ids(output: SchedulerOutput, requests: Mapping[str, Request]) -> None:
+    """Fill ``output.scheduled_cached_reqs.new_token_ids`` (pipeline parallelism) from the
+    scheduled requests' tokens."""
+    cached, scheduled = output.scheduled_cached_reqs, output.num_scheduled_tokens
+    cached.new_token_ids = [
+        requests[req_id].all_token_ids[start : start + scheduled[req_id]]
+        for req_id, start in zip(cached.req_ids, cached.num_computed_tokens, strict=True)
+    ]

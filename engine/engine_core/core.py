@@ -7,13 +7,19 @@ import logging
 import os
 import queue
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from corefleet.engine.config import EngineConfig
 from corefleet.engine.core.scheduler import Scheduler
-from corefleet.engine.core.scheduler_output import GrammarOutput, SchedulerOutput
+from corefleet.engine.core.scheduler_output import (
+    GrammarOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    attach_token_ids,
+)
 from corefleet.engine.engine_core.startup import StartupClock
 from corefleet.engine.frontend.tokenizer import Tokenizer
 from corefleet.engine.messages import (
@@ -85,6 +91,10 @@ class EngineCore:
             functools.partial(_tokenizer_json, self.model_path), self.vocab_size, self.eos_token_id
         )
         self._idle_waiters: list[Future[None]] = []
+        # Pipeline parallelism: up to one step in flight per stage (the seeds' batch queue).
+        self.batch_queue_size = config.parallel.pipeline_parallel_size
+        self.batch_queue: deque[tuple[Future[ModelRunnerOutput | None], SchedulerOutput]] | None
+        self.batch_queue = deque() if self.batch_queue_size > 1 else None
         logger.info(
             "engine ready in %.1f s: max_model_len=%d, %d KV blocks of %d tokens (%d tokens)",
             time.perf_counter() - started,
@@ -124,6 +134,8 @@ class EngineCore:
 
     def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
         """Run one batch; returns the outputs per client and whether the model ran."""
+        if self.batch_queue is not None:
+            return self._step_with_batch_queue(self.batch_queue)
         if not self.scheduler.has_requests():
             return {}, False
         scheduler_output = self.scheduler.schedule()
@@ -137,6 +149,37 @@ class EngineCore:
         self._process_aborts_queue()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def _step_with_batch_queue(
+        self, batch_queue: deque[tuple[Future[ModelRunnerOutput | None], SchedulerOutput]]
+    ) -> tuple[dict[int, EngineCoreOutputs], bool]:
+        """The seeds' step for pipeline parallelism: while fewer than ``pipeline_parallel_size``
+        steps are in flight, schedule and launch one and return at once; otherwise (or with
+        nothing left to schedule: every running request waits for its token) wait for the
+        oldest and update from it. A request in flight has no token to compute, so the
+        scheduler leaves it out of the next steps until its output is in."""
+        launched = False
+        if len(batch_queue) < self.batch_queue_size and self.scheduler.has_requests():
+            scheduler_output = self.scheduler.schedule()
+            if (
+                scheduler_output.total_num_scheduled_tokens
+                or scheduler_output.finished_req_ids
+                or scheduler_output.preempted_req_ids
+            ):
+                scheduler_output.grammar = self._grammar_bitmask(scheduler_output)
+                attach_token_ids(scheduler_output, self.scheduler.requests)
+                future = self.executor.execute_model(scheduler_output, non_block=True)
+                batch_queue.append((future, scheduler_output))
+                launched = scheduler_output.total_num_scheduled_tokens > 0
+        if not batch_queue:
+            return {}, False
+        if launched and len(batch_queue) < self.batch_queue_size:
+            return {}, True  # room for another step before waiting for this one
+        future, scheduler_output = batch_queue.popleft()
+        model_output = future.result()
+        assert model_output is not None  # the masks went with the step
+        self._process_aborts_queue()
+        return self.scheduler.update_from_output(scheduler_output, model_output), True
 
     def _grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
         req_ids = scheduler_output.structured_output_req_ids

@@ -18,6 +18,8 @@ from torch import nn
 
 from corefleet.engine.models.arch import ArchConfig
 from corefleet.engine.models.layer_program import AttentionShape, KVCache, LayerProgram, Reduce
+from corefleet.engine.models.llama_loading import load_llama_weights
+from corefleet.engine.models.pipeline_parallel import PipelineStage
 from corefleet.engine.models.quant_layers import QuantEmbedding, QuantLinear, QuantPart
 from corefleet.engine.models.rope import build_cos_sin_cache
 from corefleet.engine.models.tensor_parallel import ShardPlan, VocabParallelEmbedding
@@ -168,8 +170,16 @@ class LlamaDecoderLayer(nn.Module):
         )
 
 
+class AbsentPart(nn.Module):
+    """A part of the model (a layer, the embedding, the head) another pipeline stage holds."""
+
+
 class LlamaForCausalLM(nn.Module):
-    """The decoder plus its LM head; ``forward`` returns hidden states, not logits."""
+    """The decoder plus its LM head; ``forward`` returns hidden states, not logits.
+
+    Under pipeline parallelism a stage holds some layers (the first stage the embedding, the
+    last the final norm and the head): :meth:`run_layers` runs them from the previous stage's
+    output, :meth:`finish` applies the final norm."""
 
     def __init__(
         self,
@@ -179,27 +189,33 @@ class LlamaForCausalLM(nn.Module):
         quantized: Mapping[str, QuantFormat] | None = None,
         dtype: torch.dtype = torch.float32,
         shards: ShardPlan | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
         """``quantized``: the block format of each weight (by HF name) kept quantized;
         ``dtype``: the activations' dtype (what a quantized embedding dequantizes to);
-        ``shards``: this worker's slices under tensor parallelism (``tensor_parallel``)."""
+        ``shards``: this worker's slices under tensor parallelism (``tensor_parallel``);
+        ``stage``: the layers it holds under pipeline parallelism (``pipeline_parallel``)."""
         super().__init__()
         self.vocab_size = cfg.vocab_size  # the whole vocabulary, whatever this worker holds
         self.shards = shards if shards is not None and shards.tp.enabled else None
+        stage = stage or PipelineStage()
+        self.held_layers = stage.layers(cfg.num_hidden_layers)
+        if (self.shards is not None or stage.enabled) and quantized:
+            raise ValueError(
+                "tensor and pipeline parallelism run unquantized weights: pass --quantization "
+                "none (a GGUF file's weights are then dequantized)"
+            )
         if self.shards is not None:
-            if quantized:
-                raise ValueError(
-                    "tensor parallelism runs unquantized weights: pass --quantization none "
-                    "(a GGUF file's weights are then dequantized)"
-                )
             cfg = self.shards.local_arch
         self.cfg = cfg
         self._programs: list[LayerProgram] | None = None  # see _layer_programs
         quantized = quantized or {}
         make_linear = LinearFactory(backend, quantized)
         embed_format = quantized.get("model.embed_tokens.weight")
-        self.embed_tokens: nn.Embedding | QuantEmbedding | VocabParallelEmbedding
-        if self.shards is not None:
+        self.embed_tokens: nn.Embedding | QuantEmbedding | VocabParallelEmbedding | AbsentPart
+        if not stage.is_first:
+            self.embed_tokens = AbsentPart()
+        elif self.shards is not None:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.shards)
         elif embed_format is not None:
             self.embed_tokens = QuantEmbedding(
@@ -214,12 +230,21 @@ class LlamaForCausalLM(nn.Module):
                 _weight=torch.empty(cfg.vocab_size, cfg.hidden_size),
             )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, make_linear, i) for i in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, backend, make_linear, i)
+            if i in self.held_layers
+            else AbsentPart()
+            for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        # A tied head is the embedding table, quantized or not like it.
-        head_source = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = make_linear(cfg.hidden_size, [(head_source, None, cfg.vocab_size)], False)
+        self.norm: RMSNorm | AbsentPart = AbsentPart()
+        self.lm_head: BackendLinear | QuantLinear | AbsentPart = AbsentPart()
+        if stage.is_last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+            # A tied head is the embedding table, quantized or not like it.
+            tied = cfg.tie_word_embeddings
+            head_source = "model.embed_tokens.weight" if tied else "lm_head.weight"
+            self.lm_head = make_linear(
+                cfg.hidden_size, [(head_source, None, cfg.vocab_size)], False
+            )
         self.tie_word_embeddings()
         # Computed on the CPU even when the model is built on the meta device: the meta path
         # of these ops imports torch._dynamo (and with it triton: ~1.6 s and ~70 MiB resident
@@ -237,22 +262,44 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
-        hidden = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
+        """The whole model (one pipeline stage): the final norm's hidden states."""
+        return self.finish(*self.run_layers(input_ids, positions, kv_caches, meta))
+
+    def run_layers(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],  # this stage's layers'
+        meta: AttentionMetadata,
+        carried: tuple[torch.Tensor, torch.Tensor] | None = None,  # the previous stage's
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # hidden, residual: [T, H]
+        """This stage's layers, from the embedding (first stage) or from ``carried``."""
+        if carried is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = carried
         cos_sin_cache: torch.Tensor = self.cos_sin_cache  # type: ignore[assignment]
         rotary = reference.rotary_cos_sin(positions, cos_sin_cache, hidden.dtype)  # per step
         for program, kv_cache in zip(self._layer_programs(), kv_caches, strict=True):
             hidden, residual = program(hidden, residual, kv_cache, meta, rotary)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        assert residual is not None  # every stage holds a layer
+        return hidden, residual
+
+    def finish(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:  # [T, H]
+        """The final norm (the last stage's)."""
+        assert isinstance(self.norm, RMSNorm), "only the last pipeline stage has the norm"
+        normed, _ = self.norm(hidden, residual)
+        return normed
 
     def _layer_programs(self) -> list[LayerProgram]:
         # Bound on first use, once the weights are where they stay; dropped whenever tensors
         # may be replaced (_apply: .to(), .to_empty(), ...; loading; tying).
         if self._programs is None:
-            dtype = self.norm.weight.dtype  # the activations' dtype
+            held = [self.layers[i] for i in self.held_layers]
+            assert isinstance(held[0], LlamaDecoderLayer)
+            dtype = held[0].input_layernorm.weight.dtype  # the activations' dtype
             reduce = None if self.shards is None else self.shards.tp.all_reduce
-            self._programs = [layer.program(dtype, reduce) for layer in self.layers]  # type: ignore[operator]
+            self._programs = [layer.program(dtype, reduce) for layer in held]  # type: ignore[operator]
         return self._programs
 
     def _apply(self, fn: Any, recurse: bool = True) -> LlamaForCausalLM:
@@ -262,8 +309,10 @@ class LlamaForCausalLM(nn.Module):
     def tie_word_embeddings(self) -> None:
         """Make a tied model's LM head read the embedding table (again after materialising)."""
         self._programs = None
-        if not self.cfg.tie_word_embeddings:
+        if not self.cfg.tie_word_embeddings or isinstance(self.lm_head, AbsentPart):
             return
+        if isinstance(self.embed_tokens, AbsentPart):
+            return  # a last pipeline stage: its head holds a copy of the table
         if isinstance(self.lm_head, QuantLinear):
             assert isinstance(self.embed_tokens, QuantEmbedding)
             table: torch.Tensor = self.embed_tokens.qweight  # type: ignore[assignment]
@@ -273,102 +322,21 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
+        assert not isinstance(self.lm_head, AbsentPart), "only the last stage has the head"
         logits = self.lm_head(hidden)  # [N, V] or, tensor-parallel, this worker's [N, V/tp]
         if self.shards is not None:
             logits = self.shards.tp.all_gather_columns(logits)[:, : self.vocab_size]
         return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up as they arrive."""
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up as they arrive; a
+        tensor of a part another pipeline stage holds is skipped (``llama_loading``)."""
         self._programs = None
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for hf_name, tensor in weights:
-            if self.shards is not None:
-                tensor = self.shards.shard(hf_name, tensor)
-            name, shard = _map_hf_name(hf_name)
-            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
-                continue
-            if tensor.dtype == torch.uint8:  # GGUF blocks
-                target = self._quantized_target(name, shard, hf_name)
-            elif name not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
-            elif shard is None:
-                target = params[name].data
-            else:
-                start, size = self._shard_range(name, shard)
-                target = params[name].data.narrow(0, start, size)
-            _copy_checked(target, tensor, hf_name)
-            loaded.add(f"{name}:{shard}")
-        self._check_complete(loaded)
+        load_llama_weights(self, weights)
 
-    def _quantized_target(self, name: str, shard: str | None, hf_name: str) -> torch.Tensor:
-        module = self.get_submodule(name.removesuffix(".weight"))
-        if isinstance(module, QuantLinear) and shard in module.shards:
-            return module.part_blocks(shard)
-        if isinstance(module, QuantEmbedding):
-            table: torch.Tensor = module.qweight  # type: ignore[assignment]
-            return table
-        raise ValueError(f"quantized checkpoint tensor {hf_name!r} has no quantized place")
-
-    def _shard_range(self, name: str, shard: str) -> tuple[int, int]:
-        cfg = self.cfg
-        q = cfg.num_attention_heads * cfg.head_dim
-        kv = cfg.num_key_value_heads * cfg.head_dim
-        ranges = {
-            "q": (0, q),
-            "k": (q, kv),
-            "v": (q + kv, kv),
-            "gate": (0, cfg.intermediate_size),
-            "up": (cfg.intermediate_size, cfg.intermediate_size),
-        }
-        return ranges[shard]
-
-    def _check_complete(self, loaded: set[str]) -> None:
-        expected: set[str] = set()
-        for prefix, module in self.named_modules():
-            if isinstance(module, QuantLinear) and not (
-                prefix == "lm_head" and self.cfg.tie_word_embeddings
-            ):
-                expected.update(f"{prefix}.weight:{shard}" for shard in module.shards)
-            elif isinstance(module, QuantEmbedding):
-                expected.add(f"{prefix}.weight:None")
-        for name, _ in self.named_parameters():
-            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
-                continue
-            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
-                expected.update(f"{name}:{s}" for s in ("q", "k", "v"))
-            elif name.endswith("gate_up_proj.weight"):
-                expected.update(f"{name}:{s}" for s in ("gate", "up"))
-            else:
-                expected.add(f"{name}:None")
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
-
-
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
-    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
-    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
-    "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
-    "mlp.up_proj": ("mlp.gate_up_proj", "up"),
-}
-
-
-def _map_hf_name(hf_name: str) -> tuple[str, str | None]:
-    """HF name -> (our parameter name, shard of a fused parameter or None)."""
-    name = hf_name.removeprefix("model.")
-    for hf_part, (ours, shard) in _FUSED.items():
-        if f".{hf_part}." in name:
-            return name.replace(hf_part, ours), shard
-    return name, None
-
-
-def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, hf_name: str) -> None:
-    if tuple(target.shape) != tuple(tensor.shape):
-        raise ValueError(
-            f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-            f"the model expects {tuple(target.shape)}"
-        )
-    target.copy_(tensor)
+    def holds(self, name: str) -> bool:
+        """Whether this worker holds the parameter ``name`` (ours, after fusing)."""
+        if name.startswith("layers."):
+            return int(name.split(".")[1]) in self.held_layers
+        part = name.split(".")[0]
+        return not isinstance(getattr(self, part), AbsentPart)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,10 +30,14 @@ from corefleet.engine.models.arch import ArchConfig
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """One worker's place among ``size`` workers (``rank`` 0 samples and answers)."""
+    """One worker's place among the ``size`` workers of its tensor-parallel group (``rank``
+    within it; ``group`` is the group's ``torch.distributed`` handle, None for the default
+    group; ``first`` the global rank of its rank 0)."""
 
     rank: int = 0
     size: int = 1
+    group: Any = None  # dist.ProcessGroup: one per pipeline stage
+    first: int = 0
 
     @property
     def enabled(self) -> bool:
@@ -41,7 +46,7 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over workers, in place."""
         if self.enabled:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:  # [N, v] -> [N, size*v]
@@ -49,14 +54,14 @@ class TensorParallel:
         if not self.enabled:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
+        dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
     def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
         """Worker 0's ``x`` on every worker, in place (its sampled tokens: random sampling
         must not tell the workers' batches apart)."""
         if self.enabled:
-            dist.broadcast(x, src=0)
+            dist.broadcast(x, src=self.first, group=self.group)
         return x
 
 

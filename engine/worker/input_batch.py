@@ -123,6 +123,13 @@ class InputBatch:
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
 
+    def write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
+        """Set ``row``'s tokens from position ``start`` (the scheduler's, under pipeline
+        parallelism: tokens already known are written again, the same)."""
+        end = start + len(token_ids)
+        self.token_ids[row, start:end] = token_ids
+        self.num_tokens[row] = max(int(self.num_tokens[row]), end)
+
     def output_token_ids(self, state: RequestState) -> list[int]:
         row = state.row
         return self.token_ids[row, state.num_prompt_tokens : self.num_tokens[row]].tolist()

@@ -14,6 +14,7 @@ from corefleet.engine.core.scheduler_output import GrammarOutput, ModelRunnerOut
 from corefleet.engine.models.arch import ArchConfig
 from corefleet.engine.models.gguf_metadata import release_gguf_reader
 from corefleet.engine.models.llama import KVCache, LlamaForCausalLM
+from corefleet.engine.models.pipeline_parallel import PipelineStage
 from corefleet.engine.models.rope import build_cos_sin_cache
 from corefleet.engine.models.tensor_parallel import ShardPlan, TensorParallel
 from corefleet.engine.models.weights import load_weights, quantized_weights
@@ -36,7 +37,9 @@ class ModelRunner:
     """Owns the model, its KV cache and the per-request batch state on one device.
 
     Under tensor parallelism every worker runs one, on its slices of the model and of the KV
-    cache (its KV heads); all of them sample, and worker 0's tokens are the step's."""
+    cache (its KV heads); all of them sample, and worker 0's tokens are the step's. Under
+    pipeline parallelism a stage runs its layers and passes the activations on; the last
+    samples, and every stage takes the tokens to compute from the scheduler."""
 
     def __init__(
         self,
@@ -46,10 +49,14 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         tp: TensorParallel | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
         self.config = config
         self.arch = arch
         self.tp = tp or TensorParallel()
+        self.stage = stage or PipelineStage()
+        # This stage's layers: the KV cache has one entry per layer held.
+        self.num_layers = len(self.stage.layers(arch.num_hidden_layers))
         self.shards = ShardPlan(arch, self.tp) if self.tp.enabled else None
         # This worker's KV heads: the cache holds only these.
         self.num_kv_heads = (self.shards.local_arch if self.shards else arch).num_key_value_heads
@@ -68,6 +75,7 @@ class ModelRunner:
         self.sampler = Sampler(argmax=self.backend.argmax)
         # A forward pass waiting for its grammar mask (structured outputs): its inputs, hidden.
         self._pending_sample: tuple[StepInputs, torch.Tensor] | None = None
+        self._preempted_generators: dict[str, torch.Generator] = {}
         self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len, self.block_size)
         self.attention_inputs = AttentionInputs(
             self.batch, self.backend.needs_block_tables, self.block_size, self._to_device
@@ -78,12 +86,18 @@ class ModelRunner:
     def load_model(self) -> None:
         started = time.perf_counter()
         quantization = self.config.model.quantization
-        if self.tp.enabled and quantization == "auto":
+        if (self.tp.enabled or self.stage.enabled) and quantization == "auto":
             quantization = "none"  # the GGUF block kernels are not split: dequantize
         quantized = quantized_weights(self.model_path, quantization)
         with torch.device("meta"):
             model = LlamaForCausalLM(
-                self.arch, self.backend, self.max_model_len, quantized, self.dtype, self.shards
+                self.arch,
+                self.backend,
+                self.max_model_len,
+                quantized,
+                self.dtype,
+                self.shards,
+                self.stage,
             )
         model = model.to_empty(device=self.device).to(self.dtype)
         # The rotary table is computed, not loaded: rebuild it after materialising.
@@ -106,7 +120,7 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         a = self.arch
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return 2 * a.num_hidden_layers * self.block_size * self.num_kv_heads * a.head_dim * elem
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * a.head_dim * elem
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit the KV budget: ``--kv-cache-memory`` on CPU, a fraction of GPU memory
@@ -165,8 +179,9 @@ class ModelRunner:
             max_query_len=num_tokens,
             max_seq_len=num_tokens,
         )
-        hidden = self.model(ids, positions, self.kv_caches, meta)
-        self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs :])
+        hidden = self._forward(ids, positions, meta, communicate=False)
+        if hidden is not None:
+            self.model.compute_logits(hidden[-self.config.scheduler.max_num_seqs :])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_caches = []
@@ -178,7 +193,7 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, self.num_kv_heads, a.head_dim)
         self.kv_caches = [
             (_zeros(shape, self.kv_dtype, self.device), _zeros(shape, self.kv_dtype, self.device))
-            for _ in range(a.num_hidden_layers)
+            for _ in range(self.num_layers)
         ]
 
     # ---- one step -------------------------------------------------------------------------
@@ -191,17 +206,42 @@ class ModelRunner:
             self._update_states(so)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs, meta = self.prepare_step(so)
-        assert self.model is not None, "load_model() first"
-        hidden = self.model(
-            self._to_device(inputs.input_ids),
-            self._to_device(inputs.positions),
-            self.kv_caches,
-            meta,
-        )  # [T, H]
-        if so.structured_output_req_ids:
+        ids, positions = self._to_device(inputs.input_ids), self._to_device(inputs.positions)
+        hidden = self._forward(ids, positions, meta)  # [T, H]
+        if hidden is None:  # an earlier pipeline stage: the last one samples
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        if so.structured_output_req_ids and so.grammar is None:
             self._pending_sample = (inputs, hidden)
             return None
-        return self._sample(inputs, hidden)
+        return self._sample(inputs, hidden, so.grammar)
+
+    def _forward(
+        self,
+        ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        communicate: bool = True,
+    ) -> torch.Tensor | None:  # [T, H], or None on a pipeline stage before the last
+        """The forward pass (this stage's part of it); without ``communicate`` a stage takes
+        zeros for its input and sends nothing (memory profiling)."""
+        assert self.model is not None, "load_model() first"
+        stage = self.stage
+        if not stage.enabled:
+            return self.model(ids, positions, self.kv_caches, meta)
+        carried = None
+        if not stage.is_first:
+            shape = (len(ids), self.arch.hidden_size)
+            if communicate:
+                carried = stage.recv(*shape, self.dtype, self.device)
+            else:
+                zeros = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                carried = (zeros, zeros.clone())
+        hidden, residual = self.model.run_layers(ids, positions, self.kv_caches, meta, carried)
+        if not stage.is_last:
+            if communicate:
+                stage.send(hidden, residual)
+            return None
+        return self.model.finish(hidden, residual)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar: GrammarOutput) -> ModelRunnerOutput:
@@ -218,12 +258,20 @@ class ModelRunner:
         return inputs, self.attention_inputs.metadata(inputs)
 
     def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.preempted_req_ids:
+            # A seeded request's random stream goes on where it stopped when it resumes (as
+            # vLLM's): its tokens do not depend on whether it was preempted.
+            state = self.batch.requests.get(req_id)
+            if state is not None and state.generator is not None:
+                self._preempted_generators[req_id] = state.generator
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.batch.remove(req_id)
+        for req_id in so.finished_req_ids:
+            self._preempted_generators.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
-            generator = None
-            if params.seed is not None:
+            generator = self._preempted_generators.pop(new.req_id, None)
+            if generator is None and params.seed is not None:
                 generator = torch.Generator(self.device).manual_seed(params.seed)
             self.batch.add(
                 new.req_id,
@@ -235,6 +283,10 @@ class ModelRunner:
                 generator,
             )
         cached = so.scheduled_cached_reqs
+        for req_id, start, token_ids in zip(
+            cached.req_ids, cached.num_computed_tokens, cached.new_token_ids, strict=False
+        ):  # pipeline parallelism: the tokens to compute come from the scheduler
+            self.batch.write_tokens(self.batch.requests[req_id].row, start, token_ids)
         if any(cached.new_block_ids):  # most decode steps give no request a new block
             requests = self.batch.requests
             grown = [(r, b) for r, b in zip(cached.req_ids, cached.new_block_ids, strict=True) if b]
@@ -267,10 +319,11 @@ class ModelRunner:
         banned = None if grammar is None else grammar_rows(grammar, states, self.device)
         out = self.sampler(logits, meta, banned)
         sampled = out.sampled_token_ids
-        if self.tp.enabled:  # the same tokens on every worker, however they were drawn
+        if self.tp.enabled and not self.stage.enabled:  # the same tokens on every worker
             shared = torch.tensor(sampled, dtype=torch.long, device=self.device)
             sampled = self.tp.broadcast_from_first(shared).tolist()
-        self.batch.append_tokens(inputs.rows[sampling_idx], np.asarray(sampled, dtype=np.int64))
+        if not self.stage.enabled:  # else the scheduler sends them with the next step
+            self.batch.append_tokens(inputs.rows[sampling_idx], np.asarray(sampled, dtype=np.int64))
         sampled_by_req: list[list[int]] = [[] for _ in inputs.req_ids]
         for k, i in enumerate(sampling_idx.tolist()):
             sampled_by_req[i] = [sampled[k]]

@@ -9,8 +9,9 @@ must never outlive its engine, whatever killed it).
 The worker joins the ``torch.distributed`` group (gloo on CPU, NCCL on CUDA), loads its slice,
 says it is ready, then serves calls in order: each call is ``[header, *payload]`` where the
 header is JSON ``{"method": ...}`` and the payload the msgpack of its argument (the project's
-codec: no pickle). Every worker answers every call, so the executor knows they all finished;
-worker 0 carries the result (all of them do for ``determine_num_blocks``, whose minimum counts).
+codec: no pickle) and its sequence number. Every worker answers every call, so the executor
+knows they all finished; the last pipeline stage's first worker carries the result (all of
+them do for ``determine_num_blocks``, whose minimum counts).
 An exception is answered with its text, and the worker exits: the group cannot go on without it.
 """
 
@@ -34,6 +35,7 @@ from corefleet.engine import envs
 from corefleet.engine.config import EngineConfig
 from corefleet.engine.core.scheduler_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from corefleet.engine.models.loader import load_arch_config
+from corefleet.engine.models.pipeline_parallel import PipelineStage
 from corefleet.engine.models.tensor_parallel import TensorParallel
 from corefleet.engine.transport.serial import MsgpackDecoder, MsgpackEncoder
 from corefleet.engine.worker.devices import resolve_device, resolve_dtype, set_cpu_threads
@@ -61,15 +63,46 @@ ALL_ANSWER = {"determine_num_blocks"}  # every worker's result counts, not worke
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):
-    """What one worker is: its place in the group and where to find the executor."""
+    """What one worker is: its place in the group and where to find the executor. Global
+    rank ``r`` is tensor-parallel rank ``r % tp`` of pipeline stage ``r // tp``."""
 
     config: EngineConfig
     model_path: str
     rank: int
-    world_size: int
     dist_init: str  # torch.distributed's init_method: tcp://127.0.0.1:PORT (worker 0 hosts it)
     calls: str  # the executor's PUSH socket for this worker
     replies: str  # the executor's PULL socket for every worker
+
+    @property
+    def world_size(self) -> int:
+        return self.config.parallel.world_size
+
+    @property
+    def answers(self) -> bool:
+        """Whether this worker's results are the step's: the last stage's first worker."""
+        parallel = self.config.parallel
+        return self.rank == (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
+
+
+def answering_rank(config: EngineConfig) -> int:
+    """The global rank whose results are the step's (the last stage's first worker)."""
+    parallel = config.parallel
+    return (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
+
+
+def _groups(spec: WorkerSpec) -> tuple[TensorParallel, PipelineStage]:
+    """This worker's tensor-parallel group (one per stage: every process creates every
+    group, in the same order, as torch.distributed requires) and its pipeline stage."""
+    tp_size = spec.config.parallel.tensor_parallel_size
+    pp_size = spec.config.parallel.pipeline_parallel_size
+    stage, tp_rank = divmod(spec.rank, tp_size)
+    group = None  # the default group: all workers, when there is one stage
+    if pp_size > 1 and tp_size > 1:
+        for s in range(pp_size):
+            made = dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)))
+            group = made if s == stage else group
+    tp = TensorParallel(tp_rank, tp_size, group, stage * tp_size)
+    return tp, PipelineStage(stage, pp_size, spec.rank, tp_size)
 
 
 def worker_device(config: EngineConfig, rank: int) -> torch.device:
@@ -105,8 +138,8 @@ class Worker:
         torch.manual_seed(config.model.seed)
         arch = load_arch_config(spec.model_path)
         dtype = resolve_dtype(config.model.dtype, arch.torch_dtype, device)
-        tp = TensorParallel(spec.rank, spec.world_size)
-        self.runner = ModelRunner(config, arch, spec.model_path, device, dtype, tp)
+        tp, stage = _groups(spec)
+        self.runner = ModelRunner(config, arch, spec.model_path, device, dtype, tp, stage)
         self.runner.load_model()
         self.encoder = MsgpackEncoder()
         self.decoders = {
@@ -115,18 +148,19 @@ class Worker:
 
     def serve(self, calls: zmq.Socket[bytes], replies: zmq.Socket[bytes]) -> None:
         """Answer calls until told to stop; an exception is answered, then raised."""
-        self._reply(replies, READY, None)
+        self._reply(replies, 0, READY, None)
         while True:
             frames = calls.recv_multipart(copy=False)
-            method = json.loads(frames[0].bytes)["method"]
+            header = json.loads(frames[0].bytes)
+            method, seq = header["method"], header.get("seq", 0)
             if method == SHUTDOWN:
                 return
             try:
                 result = self._call(method, frames[1:])
             except BaseException as exc:
-                self._reply(replies, method, None, error=_describe(exc))
+                self._reply(replies, seq, method, None, error=_describe(exc))
                 raise
-            self._reply(replies, method, result)
+            self._reply(replies, seq, method, result)
 
     def _call(self, method: str, payload: list[zmq.Frame]) -> Any:
         target: Callable[..., Any] = getattr(self.runner, method)
@@ -136,12 +170,17 @@ class Worker:
         return target(decoder.decode(payload))
 
     def _reply(
-        self, replies: zmq.Socket[bytes], method: str, result: Any, error: str | None = None
+        self,
+        replies: zmq.Socket[bytes],
+        seq: int,
+        method: str,
+        result: Any,
+        error: str | None = None,
     ) -> None:
-        header = json.dumps({"rank": self.spec.rank, "method": method, "error": error}).encode()
-        carries = error is None and (self.spec.rank == 0 or method in ALL_ANSWER)
+        header = {"rank": self.spec.rank, "seq": seq, "method": method, "error": error}
+        carries = error is None and (self.spec.answers or method in ALL_ANSWER)
         body = self.encoder.encode(result) if carries else []
-        replies.send_multipart([header, *body], copy=False)
+        replies.send_multipart([json.dumps(header).encode(), *body], copy=False)
 
 
 def main() -> None:
@@ -165,7 +204,7 @@ def main() -> None:
         worker = Worker(spec)
     except Exception as exc:  # loading failed: say why before going
         logger.exception("tensor-parallel worker %d failed to start", spec.rank)
-        header = {"rank": spec.rank, "method": READY, "error": _describe(exc)}
+        header = {"rank": spec.rank, "seq": 0, "method": READY, "error": _describe(exc)}
         replies.send(json.dumps(header).encode())
         code = 1
     else:

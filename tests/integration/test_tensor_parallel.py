@@ -1,5 +1,6 @@
-"""Tensor parallelism on the CPU (gloo): worker processes, each on its slice of the model, give
-the tokens one worker gives; a worker's death ends the engine with its name; none outlives it.
+"""Tensor and pipeline parallelism on the CPU (gloo): worker processes, each on its slice or
+stage of the model, give the tokens one worker gives; a worker's death ends the engine with its
+name; none outlives it.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from corefleet.engine import LLM, SamplingParams
+from corefleet.engine import LLM, SamplingParams, StructuredOutputsParams
 from corefleet.engine.client.base import EngineDeadError, MPClientOptions
+from corefleet.engine.client.inproc import InprocClient
 from corefleet.engine.client.mp import SyncMPClient
 from corefleet.engine.messages import EngineCoreRequest
 from tests.engine_proc_support import PROMPTS, collect, greedy, tiny_config
@@ -41,36 +43,75 @@ def _tokens(model: Path, params: SamplingParams, **engine_args: object) -> list[
 
 
 @pytest.mark.parametrize(
-    ("architecture", "num_kv_heads", "tied", "tp"),
+    ("architecture", "num_kv_heads", "tied", "tp", "pp"),
     [
-        ("llama", 2, False, 2),  # a KV head per worker
-        ("llama", 1, False, 2),  # fewer KV heads than workers: each worker holds the one
-        ("qwen2", 2, True, 2),  # q/k/v biases, a tied LM head (vocabulary-parallel, shared)
-        ("llama", 4, False, 4),  # a head per worker, 4 processes on 2 cores
+        ("llama", 2, False, 2, 1),  # a KV head per worker
+        ("llama", 1, False, 2, 1),  # fewer KV heads than workers: each worker holds the one
+        ("qwen2", 2, True, 2, 1),  # q/k/v biases, a tied LM head (vocabulary-parallel, shared)
+        ("llama", 4, False, 4, 1),  # a head per worker, 4 processes on 2 cores
+        ("llama", 2, False, 1, 2),  # two stages of 2 layers
+        ("qwen2", 2, True, 1, 2),  # the last stage's tied head holds the embedding table
+        ("llama", 1, True, 2, 2),  # 2 x 2 workers: a tensor-parallel group per stage
     ],
 )
 def test_greedy_tokens_equal_one_worker_s(
-    tmp_path: Path, architecture: str, num_kv_heads: int, tied: bool, tp: int
+    tmp_path: Path, architecture: str, num_kv_heads: int, tied: bool, tp: int, pp: int
 ) -> None:
     model = write_tiny_model(
         tmp_path / "m",
         architecture=architecture,
         num_kv_heads=num_kv_heads,
         tie_word_embeddings=tied,
+        num_hidden_layers=4,
     )
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    assert _tokens(model, params, tensor_parallel_size=tp) == _tokens(model, params)
+    layout = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+    assert _tokens(model, params, **layout) == _tokens(model, params)
 
 
-def test_chunked_prefill_preemption_and_seeded_sampling_match_one_worker(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_chunked_prefill_preemption_and_seeded_sampling_match_one_worker(
+    tmp_path: Path, tp: int, pp: int
+) -> None:
     model = write_tiny_llama(tmp_path / "m")
     # 8 tokens a step: every prompt is prefilled in chunks; 24 blocks of 4 tokens for four
     # requests of up to ~40 tokens: some are preempted and recomputed.
     tight = {"max_num_batched_tokens": 8, "num_gpu_blocks_override": 24}
     params = SamplingParams(max_tokens=32, temperature=0.8, seed=7, ignore_eos=True)
-    assert _tokens(model, params, tensor_parallel_size=2, **tight) == _tokens(
-        model, params, **tight
-    )
+    layout = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+    assert _tokens(model, params, **layout, **tight) == _tokens(model, params, **tight)
+
+
+def test_pipeline_stages_keep_two_steps_in_flight_and_constrain_outputs(tmp_path: Path) -> None:
+    model = write_tiny_llama(tmp_path / "m")
+    regex = StructuredOutputsParams(regex="[a-c]{3}-[0-9]{2}")
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=regex),
+        *[SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)] * 3,
+    ]
+    # 4 tokens a step: prompts are prefilled in chunks, over several steps, which the stages
+    # work on side by side (a decoding request waits for its token: one step at a time).
+    engine_args = {"dtype": "float32", "kv_cache_memory": 8 << 20, "max_num_batched_tokens": 4}
+    alone = LLM(str(model), multiprocess=False, **engine_args)
+    expected = [o.outputs[0].token_ids for o in alone.generate(TEXTS, params, use_tqdm=False)]
+    alone.shutdown()
+    llm = LLM(str(model), multiprocess=False, pipeline_parallel_size=2, **engine_args)
+    try:
+        assert isinstance(llm.engine_client, InprocClient)
+        engine = llm.engine_client.engine
+        in_flight: list[int] = []
+        launch = engine.executor.execute_model
+
+        def counted(*args: object, **kwargs: object) -> object:
+            in_flight.append(len(engine.batch_queue or ()))  # before this one joins
+            return launch(*args, **kwargs)  # type: ignore[arg-type]
+
+        engine.executor.execute_model = counted  # type: ignore[method-assign]
+        outputs = llm.generate(TEXTS, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert max(in_flight) == 1  # a second step launched while the first was in flight
 
 
 def test_unseeded_random_sampling_keeps_the_workers_in_step(tmp_path: Path) -> None:

@@ -25,7 +25,9 @@ def _hf_outputs(folder: Path) -> list[list[int]]:
     return [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
 
 
-def _engine_outputs(folder: Path, **engine_args: object) -> list[list[int]]:
+def _engine_outputs(
+    folder: Path, params: SamplingParams | None = None, **engine_args: object
+) -> list[list[int]]:
     # In-process: these compare numerics over many model shapes; the process hop is covered
     # by test_engine_proc.py and the SmolLM2 parity test.
     llm = LLM(
@@ -36,7 +38,7 @@ def _engine_outputs(folder: Path, **engine_args: object) -> list[list[int]]:
         kv_cache_memory=16 << 20,
         **engine_args,
     )
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    params = params or SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     llm.shutdown()
     return [o.outputs[0].token_ids for o in outs]
@@ -72,6 +74,31 @@ def test_small_blocks_chunks_and_preemption_change_nothing(tmp_path: Path) -> No
         _engine_outputs(folder, block_size=4, max_num_batched_tokens=8, num_blocks_override=48)
         == expected
     )
+
+
+def test_a_seeded_request_samples_the_same_tokens_whether_preempted_or_not(
+    tmp_path: Path,
+) -> None:
+    # Its random stream goes on where it stopped when it resumes: preemption (which the
+    # load decides) does not change what a seeded request answers.
+    folder = write_tiny_model(tmp_path / "m", num_kv_heads=2)
+    # 48 tokens: requests are preempted after they sampled some (the longest, 100 + 48
+    # tokens, still fits the 48 blocks of 4 alone).
+    seeded = SamplingParams(max_tokens=48, temperature=1.0, seed=11, ignore_eos=True)
+    tight = {"block_size": 4, "max_num_batched_tokens": 8, "num_blocks_override": 48}
+    llm = LLM(
+        str(folder),
+        multiprocess=False,
+        dtype="float32",
+        kv_cache_dtype="float32",
+        kv_cache_memory=16 << 20,
+        **tight,
+    )
+    preempted = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], seeded, use_tqdm=False)
+    assert llm.get_scheduler_stats().num_preemptions > 0
+    llm.shutdown()
+    alone = _engine_outputs(folder, seeded)
+    assert [o.outputs[0].token_ids for o in preempted] == alone
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])

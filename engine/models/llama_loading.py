@@ -1,0 +1,132 @@
+"""Loading Hugging Face-named tensors into a :class:`LlamaForCausalLM`: q/k/v and gate/up fused
+as they arrive, GGUF blocks into their quantized layers, a tensor-parallel worker's slices only,
+and only the parts a pipeline stage holds (a tied head on a last stage that has no embedding
+reads the embedding tensor as its weight). Every tensor's shape is checked, and a model left
+with a parameter no tensor filled is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from corefleet.engine.models.quant_layers import QuantEmbedding, QuantLinear
+
+if TYPE_CHECKING:
+    from corefleet.engine.models.llama import LlamaForCausalLM
+
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+    "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+    "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+}
+
+
+def load_llama_weights(
+    model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]
+) -> None:
+    """Copy ``weights`` (Hugging Face names and shapes) into ``model``.
+
+    Raises:
+        ValueError: a tensor with no place, of the wrong shape, or a parameter left unfilled.
+    """
+    tied = model.cfg.tie_word_embeddings
+    # A tied head without the embedding beside it (a last pipeline stage) has its own copy.
+    head_reads_embedding = (
+        tied and model.holds("lm_head.weight") and not model.holds("embed_tokens.weight")
+    )
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for hf_name, tensor in weights:
+        name, shard = _map_hf_name(hf_name)
+        if name == "lm_head.weight" and tied:
+            continue
+        if name == "embed_tokens.weight" and head_reads_embedding:
+            name = "lm_head.weight"
+        if not model.holds(name):
+            continue  # another pipeline stage's
+        if model.shards is not None:
+            tensor = model.shards.shard(hf_name, tensor)
+        if tensor.dtype == torch.uint8:  # GGUF blocks
+            target = _quantized_target(model, name, shard, hf_name)
+        elif name not in params:
+            raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
+        elif shard is None:
+            target = params[name].data
+        else:
+            start, size = _shard_range(model, shard)
+            target = params[name].data.narrow(0, start, size)
+        _copy_checked(target, tensor, hf_name)
+        loaded.add(f"{name}:{shard}")
+    _check_complete(model, loaded, shared_head=tied and not head_reads_embedding)
+
+
+def _quantized_target(
+    model: LlamaForCausalLM, name: str, shard: str | None, hf_name: str
+) -> torch.Tensor:
+    module = model.get_submodule(name.removesuffix(".weight"))
+    if isinstance(module, QuantLinear) and shard in module.shards:
+        return module.part_blocks(shard)
+    if isinstance(module, QuantEmbedding):
+        table: torch.Tensor = module.qweight  # type: ignore[assignment]
+        return table
+    raise ValueError(f"quantized checkpoint tensor {hf_name!r} has no quantized place")
+
+
+def _shard_range(model: LlamaForCausalLM, shard: str) -> tuple[int, int]:
+    """Where a part of a fused parameter lies in it (this worker's sizes)."""
+    cfg = model.cfg
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    ranges = {
+        "q": (0, q),
+        "k": (q, kv),
+        "v": (q + kv, kv),
+        "gate": (0, cfg.intermediate_size),
+        "up": (cfg.intermediate_size, cfg.intermediate_size),
+    }
+    return ranges[shard]
+
+
+def _check_complete(model: LlamaForCausalLM, loaded: set[str], shared_head: bool) -> None:
+    """``shared_head``: the LM head is the embedding table itself (nothing of its own)."""
+    expected: set[str] = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, QuantLinear) and not (prefix == "lm_head" and shared_head):
+            expected.update(f"{prefix}.weight:{shard}" for shard in module.shards)
+        elif isinstance(module, QuantEmbedding):
+            expected.add(f"{prefix}.weight:None")
+    for name, _ in model.named_parameters():
+        if name == "lm_head.weight" and shared_head:
+            continue
+        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+            expected.update(f"{name}:{s}" for s in ("q", "k", "v"))
+        elif name.endswith("gate_up_proj.weight"):
+            expected.update(f"{name}:{s}" for s in ("gate", "up"))
+        else:
+            expected.add(f"{name}:None")
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _map_hf_name(hf_name: str) -> tuple[str, str | None]:
+    """HF name -> (our parameter name, shard of a fused parameter or None)."""
+    name = hf_name.removeprefix("model.")
+    for hf_part, (ours, shard) in _FUSED.items():
+        if f".{hf_part}." in name:
+            return name.replace(hf_part, ours), shard
+    return name, None
+
+
+def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, hf_name: str) -> None:
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(
+            f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+            f"the model expects {tuple(target.shape)}"
+        )
+    target.copy_(tensor)
