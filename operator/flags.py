@@ -30,6 +30,8 @@ def engine_args(spec: EngineSpec) -> list[str]:
         "--tensor-parallel-size",
         str(spec.tensor_parallel_size),
     ]
+    if spec.pipeline_parallel_size != 1:  # left out at 1: no roll of existing fleets
+        args += ["--pipeline-parallel-size", str(spec.pipeline_parallel_size)]
     if m.served_model_name:
         args += ["--served-model-name", m.served_model_name]
     if m.max_model_len is not None:

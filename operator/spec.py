@@ -130,6 +130,7 @@ class EngineSpec:
     env: tuple[Mapping[str, Any], ...] = ()
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     engine: EngineOptions = EngineOptions()
     shutdown: ShutdownSpec = ShutdownSpec()
     coordinator: CoordinatorSpec = CoordinatorSpec()
@@ -316,7 +317,14 @@ def parse_spec(spec: Mapping[str, Any]) -> EngineSpec:
     if model is None:
         raise InvalidSpec("spec.model is required")
     tensor_parallel_size = _int(spec, "tensorParallelSize", "spec", 1, 1, MAX_TENSOR_PARALLEL)
-    _check_gpus(_obj(spec.get("resources"), "spec.resources"), tensor_parallel_size)
+    pipeline_parallel_size = _int(spec, "pipelineParallelSize", "spec", 1, 1, MAX_TENSOR_PARALLEL)
+    devices = tensor_parallel_size * pipeline_parallel_size
+    if devices > MAX_TENSOR_PARALLEL:
+        raise InvalidSpec(
+            f"spec.pipelineParallelSize: tensorParallelSize x pipelineParallelSize is {devices}, "
+            f"more than the {MAX_TENSOR_PARALLEL} devices of one node"
+        )
+    _check_gpus(_obj(spec.get("resources"), "spec.resources"), devices)
     return EngineSpec(
         model=model,
         image=image,
@@ -330,6 +338,7 @@ def parse_spec(spec: Mapping[str, Any]) -> EngineSpec:
         env=tuple(spec.get("env") or ()),
         data_parallel_size=_int(spec, "dataParallelSize", "spec", 1, 0, MAX_RANKS),
         tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
         engine=_engine(_obj(spec.get("engine"), "spec.engine"), model),
         shutdown=_shutdown(_obj(spec.get("shutdown"), "spec.shutdown")),
         coordinator=_coordinator(_obj(spec.get("coordinator"), "spec.coordinator")),
@@ -337,9 +346,10 @@ def parse_spec(spec: Mapping[str, Any]) -> EngineSpec:
     )
 
 
-def _check_gpus(resources: Mapping[str, Any], tensor_parallel_size: int) -> None:
-    """A rank runs one worker per GPU: a GPU count that is not ``tensorParallelSize`` would
-    start workers on GPUs the pod does not have (a crash loop), or leave GPUs idle."""
+def _check_gpus(resources: Mapping[str, Any], devices: int) -> None:
+    """A rank runs one worker per GPU: a GPU count that is not tensorParallelSize x
+    pipelineParallelSize would start workers on GPUs the pod does not have (a crash loop), or
+    leave GPUs idle."""
     for section in ("limits", "requests"):
         value = _obj(resources.get(section), f"spec.resources.{section}").get(GPU_RESOURCE)
         if value is None:
@@ -348,9 +358,9 @@ def _check_gpus(resources: Mapping[str, Any], tensor_parallel_size: int) -> None
             count = int(str(value))
         except ValueError:
             count = -1
-        if count != tensor_parallel_size:
+        if count != devices:
             raise InvalidSpec(
-                f"spec.resources.{section}['{GPU_RESOURCE}'] is {value!r}, but "
-                f"tensorParallelSize {tensor_parallel_size} runs one worker per GPU: ask for "
-                f"{tensor_parallel_size}"
+                f"spec.resources.{section}['{GPU_RESOURCE}'] is {value!r}, but the rank runs "
+                f"{devices} workers (tensorParallelSize x pipelineParallelSize), one per GPU: "
+                f"ask for {devices}"
             )

@@ -26,6 +26,7 @@ EXTRAS = [
     *({"coordinator": {"routing": r, "replicas": 2}} for r in sorted(ROUTING_FLAGS)),
     *({"coordinator": {"toolCallParser": name}} for name in TOOL_CALL_PARSERS),
     {"tensorParallelSize": 2},
+    {"tensorParallelSize": 2, "pipelineParallelSize": 2},
 ]
 
 
@@ -36,6 +37,7 @@ def test_rank_and_coordinator_commands_parse(extra: dict[str, object]) -> None:
     rank = build_parser().parse_args(pod["spec"]["containers"][0]["args"])
     assert rank.rank == 1 and rank.model == the_spec.model.path
     assert rank.tensor_parallel_size == the_spec.tensor_parallel_size
+    assert rank.pipeline_parallel_size == the_spec.pipeline_parallel_size
     coordinator = build_parser().parse_args(coordinator_args("x", the_spec))
     assert coordinator.block_size == the_spec.engine.block_size
     assert coordinator.shutdown_timeout == the_spec.shutdown.effective_timeout_seconds

@@ -107,6 +107,10 @@ INVALID = {  # name -> (manifest, a fragment of the refusal)
     "negative ranks": (manifest(dataParallelSize=-1), "less than the minimum"),
     "zero tensor parallel": (manifest(tensorParallelSize=0), "less than the minimum"),
     "tensor parallel beyond a node": (manifest(tensorParallelSize=9), "greater than the maximum"),
+    "tensor x pipeline beyond a node": (
+        manifest(tensorParallelSize=4, pipelineParallelSize=4),
+        "at most 8",
+    ),
     "unknown dtype": (manifest(model={"path": "/m", "dtype": "int8"}), "is not one of"),
     "odd block size": (manifest(engine={"blockSize": 12}), "is not one of"),
     "zero memory share": (manifest(engine={"gpuMemoryUtilization": 0}), "less than or equal"),
@@ -212,6 +216,7 @@ def test_invalid_manifests_are_refused(name):
 
 
 CEL_ONLY = [
+    "tensor x pipeline beyond a node",
     "drain timeout with Abort",
     "batch below model length",
     "batch below max seqs",
@@ -316,6 +321,7 @@ def test_scale_status_and_printer_columns():
     assert [c["name"] for c in printed if c.get("priority") == 1] == [
         "DP",
         "TP",
+        "PP",
         "Up-To-Date",
         "Routing",
         "Coordinator",
@@ -363,8 +369,17 @@ def test_status_written_by_the_operator_fits_the_schema():
     ],
 )
 def test_a_gpu_count_other_than_the_tensor_parallel_size_is_refused(resources):
-    with pytest.raises(InvalidSpec, match=r"tensorParallelSize 2 runs one worker per GPU"):
+    with pytest.raises(InvalidSpec, match=r"the rank runs 2 workers .*one per GPU"):
         parse_spec({**BASE["spec"], "tensorParallelSize": 2, "resources": resources})
     both = {"limits": {"nvidia.com/gpu": 2}, "requests": {"nvidia.com/gpu": "2"}}
     assert parse_spec({**BASE["spec"], "tensorParallelSize": 2, "resources": both})
     assert parse_spec({**BASE["spec"], "tensorParallelSize": 2})  # a CPU fleet asks for none
+
+
+def test_a_gpu_count_follows_tensor_times_pipeline_parallelism():
+    layout = {"tensorParallelSize": 2, "pipelineParallelSize": 2}
+    four = {"limits": {"nvidia.com/gpu": 4}}
+    spec = parse_spec({**BASE["spec"], **layout, "resources": four})
+    assert (spec.tensor_parallel_size, spec.pipeline_parallel_size) == (2, 2)
+    with pytest.raises(InvalidSpec, match="runs 4 workers"):
+        parse_spec({**BASE["spec"], **layout, "resources": {"limits": {"nvidia.com/gpu": 2}}})
