@@ -142,10 +142,11 @@ def bare_engine(model: Path, *flags: str) -> Iterator[BareEngine]:
 
 
 def spawn_rank(
-    model: Path, handshake: int | str, rank: int, *flags: str
+    model: Path, handshake: int | str, rank: int, *flags: str, **engine_args: object
 ) -> subprocess.Popen[bytes]:
     """``corefleet engine-core`` for ``rank``, dialling a coordinator's handshake port on
-    127.0.0.1, or ``--coordinator handshake`` when it is a string (a list, a name)."""
+    127.0.0.1, or ``--coordinator handshake`` when it is a string (a list, a name);
+    ``engine_args`` go into its ``tiny_config``."""
     coordinator = handshake if isinstance(handshake, str) else f"127.0.0.1:{handshake}"
     argv = [
         sys.executable,
@@ -154,7 +155,7 @@ def spawn_rank(
         *("--coordinator", coordinator, "--rank", str(rank)),
         *("--health-port", "0", "--shutdown-timeout", "30"),
         *flags,
-        *engine_argv_from_config(tiny_config(model)),
+        *engine_argv_from_config(tiny_config(model, **engine_args)),
     ]
     return subprocess.Popen(argv)
 

@@ -5,8 +5,10 @@ name; none outlives it.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,8 +20,19 @@ from corefleet.engine import LLM, SamplingParams, StructuredOutputsParams
 from corefleet.engine.client.base import EngineDeadError, MPClientOptions
 from corefleet.engine.client.inproc import InprocClient
 from corefleet.engine.client.mp import SyncMPClient
+from corefleet.engine.coordinator.fleet_client import FleetClient
+from corefleet.engine.coordinator.membership import RankState
+from corefleet.engine.coordinator.routing import make_policy
 from corefleet.engine.messages import EngineCoreRequest
-from tests.engine_proc_support import PROMPTS, collect, greedy, tiny_config
+from tests.engine_proc_support import (
+    PROMPTS,
+    collect,
+    greedy,
+    run_with_processes,
+    spawn_rank,
+    tiny_config,
+    until,
+)
 from tests.fixtures_models import write_tiny_llama, write_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -213,3 +226,98 @@ def test_smollm2_greedy_tokens_equal_one_worker_s_with_three_workers() -> None:
         finally:
             llm.shutdown()
     assert runs[0] == runs[1] and all(len(t) == 24 for t in runs[0])
+
+
+def test_a_killed_worker_s_streams_migrate_to_another_rank(tmp_path: Path) -> None:
+    model = write_tiny_llama(tmp_path / "m")
+
+    async def scenario(procs: list[subprocess.Popen[bytes]]) -> None:
+        fleet = FleetClient(
+            policy=make_policy("round-robin"),
+            bind_host="127.0.0.1",
+            advertise_host="127.0.0.1",
+            ports=(0, 0, 0),
+            heartbeat_timeout_s=3600.0,  # never the cause here
+        )
+        await fleet.start()
+        try:
+            for rank in (0, 1):
+                procs.append(spawn_rank(model, fleet.server.ports[0], rank, tensor_parallel_size=2))
+            await until(lambda: len(fleet.membership.accepting()) == 2, 120, "two ranks ready")
+            reasons: list[str] = []
+
+            async def stream(request_id: str) -> None:
+                request = EngineCoreRequest(request_id, [5, 6, 7, 8], greedy(300))
+                async for output in fleet.generate(request):
+                    if output.finished:
+                        reasons.append(str(output.finish_reason))
+
+            tasks = [asyncio.create_task(stream(f"r{i}")) for i in range(2)]
+            await until(lambda: fleet.rank_of("r1") is not None, 60, "r1 routed")
+            victim = fleet.rank_of("r1")
+            assert victim is not None
+            await until(lambda: len(fleet._requests["r1"].generated) >= 3, 60, "r1 streaming")
+            member = fleet.membership.members[victim]
+            os.kill(_workers(procs[victim].pid)[1].pid, signal.SIGKILL)
+            await until(lambda: member.state is RankState.DEAD, 60, "the worker's rank dead")
+            assert "worker 1" in member.dead_reason and "SIGKILL" in member.dead_reason
+            await until(lambda: fleet.rank_of("r1") == 1 - victim, 60, "r1 migrated")
+            await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            assert reasons == ["length", "length"]
+            assert procs[victim].wait(timeout=30) == 1
+        finally:
+            await fleet.close()
+
+    run_with_processes(scenario)
+
+
+@pytest.mark.parametrize("mode", ["drain", "abort"])
+def test_sigterm_stops_a_rank_and_its_workers(tmp_path: Path, mode: str) -> None:
+    model = write_tiny_llama(tmp_path / "m")
+
+    async def scenario(procs: list[subprocess.Popen[bytes]]) -> None:
+        fleet = FleetClient(
+            policy=make_policy("round-robin"),
+            bind_host="127.0.0.1",
+            advertise_host="127.0.0.1",
+            ports=(0, 0, 0),
+        )
+        await fleet.start()
+        try:
+            procs.append(
+                spawn_rank(
+                    model,
+                    fleet.server.ports[0],
+                    0,
+                    "--shutdown-mode",
+                    mode,
+                    pipeline_parallel_size=2,
+                )
+            )
+            await until(lambda: len(fleet.membership.accepting()) == 1, 120, "the rank ready")
+            workers = _workers(procs[0].pid)
+            assert len(workers) == 2
+            request = EngineCoreRequest("r", [5, 6, 7, 8], greedy(250))
+            reasons = []
+
+            async def stream() -> None:
+                async for output in fleet.generate(request):
+                    if output.finished:
+                        reasons.append(str(output.finish_reason))
+
+            task = asyncio.create_task(stream())
+            await until(
+                lambda: "r" in fleet._requests and len(fleet._requests["r"].generated) >= 1,
+                60,
+                "streaming",
+            )
+            procs[0].send_signal(signal.SIGTERM)
+            await asyncio.wait_for(task, 120)
+            # Drain lets it finish; abort ends it at once (unless it was already done).
+            assert reasons == ["length"] if mode == "drain" else reasons[0] in ("abort", "length")
+            assert await asyncio.to_thread(procs[0].wait, 60) == 0
+            await until(lambda: all(_gone(w) for w in workers), 30, "no worker left")
+        finally:
+            await fleet.close()
+
+    run_with_processes(scenario)
