@@ -1,13 +1,14 @@
-"""Tensor parallelism: decode throughput with 1 and 2 workers, and what their collectives cost
-(issue 22).
+"""Tensor and pipeline parallelism: decode throughput with one worker, two tensor-parallel
+workers and two pipeline stages, and what their communication costs (issue 22).
 
-Per run, side by side in the same run: an engine in this process (``LLM``) with
-``tensor_parallel_size`` 1, then 2 (one worker process each, gloo on the CPU, NCCL on GPUs),
-``--batch`` requests at once, greedy, ``--tokens`` tokens each: decode tokens/s and the decode
-step's median time (from the engine's own outputs: each step adds one token per request).
-Then the communication alone: 2 processes doing what one TP=2 decode step does, two
-all-reduces of ``[batch, hidden]`` per layer and one all-gather of the logits slice, timed over
-many steps.
+Per run, side by side in the same run: an engine in this process (``LLM``) with one worker,
+then ``tensor_parallel_size=2``, then ``pipeline_parallel_size=2`` (one worker process each,
+gloo on the CPU, NCCL on GPUs), ``--batch`` requests at once, greedy, ``--tokens`` tokens each:
+decode tokens/s and the time a step takes (the run's time over the tokens of a request).
+Then the communication alone, in 2 processes: what one TP=2 decode step does (two all-reduces
+of ``[batch, hidden]`` per layer and one all-gather of the logits slice) and what a PP=2 step
+does (the hidden states and the residual sent from one stage to the next), timed over many
+steps.
 
 On this 2-core machine the figures check the plumbing (the 2 workers and the engine share 2
 cores), not the scaling: the model is a random Llama written to a temporary folder (``--hidden``,
@@ -33,8 +34,8 @@ from corefleet.engine import LLM, SamplingParams
 from tests.fixtures_models import write_tiny_model
 
 
-def decode(model: str, tp: int, args: argparse.Namespace) -> tuple[float, float]:
-    """(decode tokens/s, median step ms) of ``--batch`` greedy requests on ``tp`` workers."""
+def decode(model: str, tp: int, pp: int, args: argparse.Namespace) -> tuple[float, float]:
+    """(decode tokens/s, ms a step) of ``--batch`` greedy requests on ``tp`` x ``pp`` workers."""
     llm = LLM(
         model,
         multiprocess=False,
@@ -42,6 +43,7 @@ def decode(model: str, tp: int, args: argparse.Namespace) -> tuple[float, float]
         device=args.device,
         kv_cache_memory=512 << 20,
         tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
     )
     try:
         prompts = [f"Request {i}: the story of a tensor" for i in range(args.batch)]
@@ -67,24 +69,39 @@ def comm_worker(rank: int, port: int, args: argparse.Namespace) -> None:
     logits = torch.randn(args.batch, args.vocab // 2)
     parts = [torch.empty_like(logits) for _ in range(2)]
 
-    def one_step() -> None:
+    residual = torch.randn(args.batch, args.hidden)
+
+    def tp_step() -> None:
         for _ in range(2 * args.layers):
             dist.all_reduce(hidden)
         dist.all_gather(parts, logits)
 
-    for _ in range(10):
-        one_step()
-    steps = 200
-    started = time.perf_counter()
-    for _ in range(steps):
-        one_step()
+    def pp_step() -> None:  # stage 0 sends, stage 1 receives
+        for tensor in (hidden, residual):
+            if rank == 0:
+                dist.send(tensor, dst=1)
+            else:
+                dist.recv(tensor, src=0)
+
+    times = []
+    for step in (tp_step, pp_step):
+        for _ in range(10):
+            step()
+        dist.barrier()
+        steps = 200
+        started = time.perf_counter()
+        for _ in range(steps):
+            step()
+        dist.barrier()
+        times.append((time.perf_counter() - started) / steps * 1000)
     if rank == 0:
-        print(f"{(time.perf_counter() - started) / steps * 1000:.3f}")
+        print(" ".join(f"{t:.3f}" for t in times))
     dist.destroy_process_group()
 
 
-def comm_ms(args: argparse.Namespace) -> float:
-    """A TP=2 decode step's collectives alone, in ms (2 processes, gloo)."""
+def comm_ms(args: argparse.Namespace) -> tuple[float, float]:
+    """A TP=2 decode step's collectives and a PP=2 step's hand-over alone, in ms (2
+    processes, gloo)."""
     import socket
 
     with socket.socket() as s:
@@ -97,7 +114,8 @@ def comm_ms(args: argparse.Namespace) -> float:
         for r in range(2)
     ]
     out = [p.communicate(timeout=300)[0] for p in procs]
-    return float(out[0].strip())
+    tp, pp = (float(x) for x in out[0].split())
+    return tp, pp
 
 
 def main() -> None:
@@ -128,19 +146,22 @@ def main() -> None:
         )
         rows = []
         for run in range(args.runs):
-            one, one_step = decode(model, 1, args)
-            two, two_step = decode(model, 2, args)
-            comm = comm_ms(args)
-            rows.append((one, two, one_step, two_step, comm))
+            one, one_step = decode(model, 1, 1, args)
+            tp2, tp2_step = decode(model, 2, 1, args)
+            pp2, pp2_step = decode(model, 1, 2, args)
+            tp_comm, pp_comm = comm_ms(args)
+            rows.append((one, tp2, pp2, one_step, tp2_step, pp2_step, tp_comm, pp_comm))
             print(
-                f"run {run + 1}: TP=1 {one:.0f} tok/s ({one_step:.1f} ms a step), TP=2 {two:.0f} "
-                f"tok/s ({two_step:.1f} ms), collectives of a TP=2 step {comm:.2f} ms",
+                f"run {run + 1}: 1 worker {one:.0f} tok/s ({one_step:.1f} ms a step), TP=2 "
+                f"{tp2:.0f} ({tp2_step:.1f} ms), PP=2 {pp2:.0f} ({pp2_step:.1f} ms); "
+                f"TP=2 collectives {tp_comm:.2f} ms a step, PP=2 hand-over {pp_comm:.2f} ms",
                 flush=True,
             )
     med = [statistics.median(col) for col in zip(*rows, strict=True)]
     print(
-        f"median of {args.runs}: TP=1 {med[0]:.0f} tok/s, TP=2 {med[1]:.0f} tok/s "
-        f"(step {med[3] / med[2]:.2f}x TP=1's), collectives {med[4]:.2f} ms a step "
+        f"median of {args.runs}: 1 worker {med[0]:.0f} tok/s, TP=2 {med[1]:.0f} "
+        f"(step {med[4] / med[3]:.2f}x), PP=2 {med[2]:.0f} (step {med[5] / med[3]:.2f}x); "
+        f"TP=2 collectives {med[6]:.2f} ms a step, PP=2 hand-over {med[7]:.2f} ms "
         f"(batch {args.batch}, {os.cpu_count()} cores)"
     )
 
