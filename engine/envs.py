@@ -111,3 +111,10 @@ def api_keys() -> tuple[str, ...]:
     given (empty: the API is open)."""
     raw = os.environ.get("COREFLEET_API_KEY") or ""
     return tuple(key.strip() for key in raw.split(",") if key.strip())
+
+
+def termination_log() -> str:
+    """COREFLEET_TERMINATION_LOG: where a rank that cannot start writes why, for Kubernetes to
+    show as its container's termination message (default ``/dev/termination-log``, the
+    kubelet's; written only where that file exists)."""
+    return os.environ.get("COREFLEET_TERMINATION_LOG") or "/dev/termination-log"

@@ -18,6 +18,7 @@ CRASH_LOOP_WINDOW_SECONDS = 300  # restarts this recent count as crash-looping e
 CRASH_LOOP_RESTARTS = 2
 IMAGE_PULL_REASONS = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName"}
 CONFIG_REASONS = {"CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
+MAX_MESSAGE_CHARS = 300  # of a rank's termination message, in the status
 
 Pod = Mapping[str, Any]
 
@@ -95,7 +96,16 @@ def _last_exit(container: Mapping[str, Any]) -> str:
     last = (container.get("lastState") or {}).get("terminated") or {}
     if not last:
         return ""
-    return f"last exit {last.get('reason', 'Error')} (code {last.get('exitCode', '?')})"
+    said = _termination_message(container)
+    exit_text = f"last exit {last.get('reason', 'Error')} (code {last.get('exitCode', '?')})"
+    return f"{exit_text}: {said}" if said else exit_text
+
+
+def _termination_message(container: Mapping[str, Any]) -> str:
+    """What the rank wrote on its way out (why it could not start), first line, bounded."""
+    last = (container.get("lastState") or {}).get("terminated") or {}
+    message = str(last.get("message") or "").strip()
+    return message.splitlines()[0][:MAX_MESSAGE_CHARS] if message else ""
 
 
 def _crash_looping(container: Mapping[str, Any], now: datetime.datetime) -> bool:
@@ -125,6 +135,8 @@ def _waiting_failure(container: Mapping[str, Any], image: str) -> Diagnosis | No
     if reason == "CrashLoopBackOff":
         last = _last_exit(container)
         why = "OOMKilled" if "OOMKilled" in last else "CrashLoopBackOff"
+        if "invalid engine argument" in _termination_message(container):
+            why = "InvalidEngineArgument"  # the spec must change: restarts cannot help
         return Diagnosis(
             "Failed", f"crash-looping after {restarts} restarts; {last}".rstrip("; "), why
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -142,7 +143,12 @@ def bare_engine(model: Path, *flags: str) -> Iterator[BareEngine]:
 
 
 def spawn_rank(
-    model: Path, handshake: int | str, rank: int, *flags: str, **engine_args: object
+    model: Path,
+    handshake: int | str,
+    rank: int,
+    *flags: str,
+    env: dict[str, str] | None = None,
+    **engine_args: object,
 ) -> subprocess.Popen[bytes]:
     """``corefleet engine-core`` for ``rank``, dialling a coordinator's handshake port on
     127.0.0.1, or ``--coordinator handshake`` when it is a string (a list, a name);
@@ -157,7 +163,7 @@ def spawn_rank(
         *flags,
         *engine_argv_from_config(tiny_config(model, **engine_args)),
     ]
-    return subprocess.Popen(argv)
+    return subprocess.Popen(argv, env=None if env is None else {**os.environ, **env})
 
 
 async def until(condition: Callable[[], bool], timeout: float, what: str) -> None:

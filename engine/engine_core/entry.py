@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from types import FrameType
 
+from corefleet.engine import envs
 from corefleet.engine.config import EngineConfig
 from corefleet.engine.engine_core.health import EngineState, HealthServer
 from corefleet.engine.engine_core.parent_watch import watch_parent
@@ -75,8 +77,9 @@ def run_engine_core(config: EngineConfig, proc_config: EngineProcConfig) -> int:
     try:
         try:
             engine = EngineCoreProc(config, proc_config, health, clock)
-        except Exception:
+        except Exception as exc:
             logger.exception("engine core rank %d failed to start", proc_config.rank)
+            _write_termination_message(f"{type(exc).__name__}: {exc}")
             return 1
         _set_state(health, EngineState.READY)
         try:
@@ -98,6 +101,24 @@ def run_engine_core(config: EngineConfig, proc_config: EngineProcConfig) -> int:
             health.stop()
         if watch is not None:
             watch.exit_if_parent_gone()  # aborted for a dead client: no exit code to report
+
+
+# Kubernetes keeps at most 4 KiB of a termination message.
+MAX_TERMINATION_MESSAGE_BYTES = 4096
+
+
+def _write_termination_message(message: str) -> None:
+    """Why this rank could not start, where Kubernetes reads it (the container's
+    ``lastState.terminated.message``, which the operator puts in the engine's status).
+    Outside a pod the file does not exist, and nothing is written."""
+    path = envs.termination_log()
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path, "wb") as log:
+            log.write(message.encode("utf-8", "replace")[:MAX_TERMINATION_MESSAGE_BYTES])
+    except OSError as exc:
+        logger.warning("cannot write the termination message to %s: %s", path, exc)
 
 
 def _set_state(health: HealthServer | None, state: EngineState) -> None:

@@ -321,3 +321,33 @@ def test_sigterm_stops_a_rank_and_its_workers(tmp_path: Path, mode: str) -> None
             await fleet.close()
 
     run_with_processes(scenario)
+
+
+def test_a_rank_that_cannot_split_its_model_says_why_in_its_termination_message(
+    tmp_path: Path,
+) -> None:
+    model = write_tiny_llama(tmp_path / "m")  # 4 attention heads: 3 workers cannot split them
+    log = tmp_path / "termination-log"
+    log.touch()  # the kubelet creates it in a pod; outside one the rank writes nothing
+
+    async def scenario(procs: list[subprocess.Popen[bytes]]) -> None:
+        fleet = FleetClient(
+            policy=make_policy("round-robin"),
+            bind_host="127.0.0.1",
+            advertise_host="127.0.0.1",
+            ports=(0, 0, 0),
+        )
+        await fleet.start()
+        try:
+            env = {"COREFLEET_TERMINATION_LOG": str(log)}
+            procs.append(
+                spawn_rank(model, fleet.server.ports[0], 0, env=env, tensor_parallel_size=3)
+            )
+            assert await asyncio.to_thread(procs[0].wait, 120) == 1
+        finally:
+            await fleet.close()
+
+    run_with_processes(scenario)
+    said = log.read_text()
+    assert said.startswith("ValueError: invalid engine argument tensor_parallel_size=3")
+    assert "4 attention heads" in said

@@ -95,6 +95,27 @@ DIAGNOSES = {
         None,
         ("Failed", "CrashLoopBackOff"),
     ),
+    "layout the model cannot take": (
+        with_status(
+            container(
+                restartCount=3,
+                state={"waiting": {"reason": "CrashLoopBackOff"}},
+                lastState={
+                    "terminated": {
+                        "reason": "Error",
+                        "exitCode": 1,
+                        # What the rank writes to /dev/termination-log (engine_core/entry.py).
+                        "message": "ValueError: invalid engine argument tensor_parallel_size=2: "
+                        "the model has 9 attention heads, which 2 workers cannot split evenly\n"
+                        + "x"
+                        * 10_000,
+                    }
+                },
+            )
+        ),
+        None,
+        ("Failed", "InvalidEngineArgument"),
+    ),
     "oom loop": (
         with_status(
             container(
@@ -161,6 +182,9 @@ def test_messages_name_the_cause():
     assert "ghcr.io/x/engine:1" in diagnose(DIAGNOSES["image pull"][0], NOW).message
     assert "OOMKilled (code 137)" in diagnose(DIAGNOSES["oom loop"][0], NOW).message
     assert "Error (code 137)" in diagnose(DIAGNOSES["restarted once, reloading"][0], NOW).message
+    layout = diagnose(DIAGNOSES["layout the model cannot take"][0], NOW).message
+    assert "9 attention heads, which 2 workers cannot split" in layout
+    assert len(layout) < 500  # the rank's message, first line and bounded
 
 
 def test_a_rank_restarted_in_place_degrades_until_ready_again():
