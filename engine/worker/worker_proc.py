@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -191,6 +192,10 @@ def main() -> None:
     logging.basicConfig(
         level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # The engine decides when its workers stop (SHUTDOWN, or its own end): a Ctrl-C in a
+    # terminal reaches the whole process group, and must drain the rank, not kill its workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     spec = msgspec.json.decode(sys.stdin.buffer.readline(), type=WorkerSpec)
     _exit_when_stdin_closes()
     set_cpu_threads(spec.world_size)

@@ -187,6 +187,24 @@ def test_a_killed_worker_ends_the_engine_naming_the_worker(tmp_path: Path) -> No
         client.shutdown()
 
 
+def test_a_worker_dying_while_the_engine_is_idle_ends_it_too(tmp_path: Path) -> None:
+    client = _engine(write_tiny_llama(tmp_path / "m"))
+    try:
+        assert client.resources.process is not None
+        worker = _workers(client.resources.process.pid)[0]
+        worker.send_signal(signal.SIGTERM)  # ignored: the engine stops its workers
+        worker.send_signal(signal.SIGINT)  # (a Ctrl-C reaches the whole process group)
+        client.add_request(EngineCoreRequest("after", PROMPTS[0], greedy(4)))
+        assert len(collect(client, {"after"})["after"].tokens) == 4  # both workers serve on
+        worker.kill()
+        # No step waits for the worker: the executor's watcher tells the busy loop.
+        with pytest.raises(EngineDeadError, match=r"worker 0 \(pid \d+\) was killed by SIGKILL"):
+            client.get_output(timeout=60)
+        assert client.resources.process.wait(timeout=30) == 1
+    finally:
+        client.shutdown()
+
+
 def test_no_worker_outlives_its_engine(tmp_path: Path) -> None:
     model = write_tiny_llama(tmp_path / "m")
     client = _engine(model)
