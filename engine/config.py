@@ -239,7 +239,7 @@ class ParallelConfig:
     """How the model is spread over devices, and which executor runs it.
 
     ``distributed_executor_backend`` is ``uni`` (the model runner on one thread of this process),
-    ``mp`` (one worker process per device: ``tensor_parallel_size`` of them) or an importable
+    ``mp`` (one worker process per device: tensor x pipeline parallel size of them) or an importable
     ``module:Class`` with the executor interface, e.g.
     ``corefleet.engine.worker.null_executor:NullExecutor`` to measure the engine without a model.
     With several workers (``tensor_parallel_size`` x ``pipeline_parallel_size`` above 1), ``uni``
