@@ -225,25 +225,27 @@ def test_no_worker_outlives_its_engine(tmp_path: Path) -> None:
         client.shutdown()
 
 
-def test_smollm2_greedy_tokens_equal_one_worker_s_with_three_workers() -> None:
-    # SmolLM2-135M has 9 heads and 3 KV heads: 3 workers (2 cannot split it). Its GGUF blocks
-    # are dequantized under tensor parallelism, so the single worker reads them so too.
+def test_smollm2_greedy_tokens_equal_one_worker_s_split_three_ways_or_in_two_stages() -> None:
+    # SmolLM2-135M has 9 heads and 3 KV heads: 3 tensor-parallel workers (2 cannot split it),
+    # and 30 layers: 2 stages of 15. Its GGUF blocks are dequantized with several workers, so
+    # the single worker reads them so too.
     prompts = ["The capital of France is", "def fibonacci(n):"]
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
     runs = []
-    for tp in (1, 3):
+    for tp, pp in ((1, 1), (3, 1), (1, 2)):
         llm = LLM(
             multiprocess=False,
             dtype="float32",
             kv_cache_memory=64 << 20,
             quantization="none",
             tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
         )
         try:
             runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy)])
         finally:
             llm.shutdown()
-    assert runs[0] == runs[1] and all(len(t) == 24 for t in runs[0])
+    assert runs[0] == runs[1] == runs[2] and all(len(t) == 24 for t in runs[0])
 
 
 def test_a_killed_worker_s_streams_migrate_to_another_rank(tmp_path: Path) -> None:
