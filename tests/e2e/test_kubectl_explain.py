@@ -23,6 +23,7 @@ DEFAULT_COLUMNS = ["NAME", "RANKS", "READY", "ENDPOINT", "AGE"]
 WIDE_COLUMNS = [
     "DP",
     "TP",
+    "PP",
     "UP-TO-DATE",
     "ROUTING",
     "COORDINATOR",
@@ -52,7 +53,7 @@ def test_get_wide_shows_the_parallel_layout_and_routing(api_server: ApiServer) -
     [wide] = parse_table(api_server.kubectl("get", "ie", "-o", "wide").stdout)
     assert list(wide) == DEFAULT_COLUMNS + WIDE_COLUMNS
     assert wide["DP"] == str(example["dataParallelSize"])
-    assert wide["TP"] == "1"  # the schema's default
+    assert wide["TP"] == wide["PP"] == "1"  # the schema's defaults
     assert wide["UP-TO-DATE"] == "2" and wide["COORDINATOR"] == "true"
     assert wide["COORDINATORS"] == "1/1"
     assert wide["ROUTING"] == (example.get("coordinator") or {}).get("routing", "LeastLoaded")
