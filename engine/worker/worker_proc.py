@@ -1,18 +1,18 @@
-"""One tensor-parallel worker process: a :class:`ModelRunner` on its slice of the model, driven
-by the engine's :class:`MultiprocExecutor` over ZMQ.
+"""One worker process of tensor and pipeline parallelism: a :class:`ModelRunner` on its slice
+or stage of the model, driven by the engine's :class:`MultiprocExecutor` over ZMQ.
 
 The executor starts ``python -m corefleet.engine.worker.worker_proc`` and writes a
 :class:`WorkerSpec` (JSON, one line) to its stdin, which it keeps open for the worker's life:
 end of file on stdin means the engine process is gone, and the worker exits at once (a worker
 must never outlive its engine, whatever killed it).
 
-The worker joins the ``torch.distributed`` group (gloo on CPU, NCCL on CUDA), loads its slice,
-says it is ready, then serves calls in order: each call is ``[header, *payload]`` where the
-header is JSON ``{"method": ...}`` and the payload the msgpack of its argument (the project's
-codec: no pickle) and its sequence number. Every worker answers every call, so the executor
-knows they all finished; the last pipeline stage's first worker carries the result (all of
-them do for ``determine_num_blocks``, whose minimum counts).
-An exception is answered with its text, and the worker exits: the group cannot go on without it.
+The worker joins the ``torch.distributed`` group (gloo on CPU, NCCL on CUDA), loads its part,
+says it is ready, then serves calls in order: each call is ``[header, *payload]``, where the
+header is JSON ``{"method": ..., "seq": ...}`` and the payload the msgpack of the argument (the
+project's codec: no pickle). Every worker answers every call with its sequence number, so the
+executor knows they all finished; the last pipeline stage's first worker carries the result
+(all of them do for ``determine_num_blocks``, whose minimum counts). An exception is answered
+with its text, and the worker exits: the group cannot go on without it.
 """
 
 from __future__ import annotations
