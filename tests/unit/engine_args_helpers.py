@@ -25,4 +25,6 @@ NON_DEFAULT: dict[str, object] = {
     "device": "cpu",
     "attention_backend": "torch",
     "distributed_executor_backend": NULL_EXECUTOR,
+    "tensor_parallel_size": 2,
+    "pipeline_parallel_size": 2,
 }
