@@ -66,6 +66,7 @@ class EngineCore:
         started = time.perf_counter()
         self.model_path = resolve_model_path(config.model.model)
         arch = load_arch_config(self.model_path)
+        explicit_max_model_len = config.model.max_model_len is not None
         self.config = config = _resolve_max_model_len(config, arch.max_position_embeddings)
         assert config.model.max_model_len is not None
         self.max_model_len: int = config.model.max_model_len
@@ -78,6 +79,9 @@ class EngineCore:
         self.executor.initialize_kv_cache(self.num_blocks)
         clock.phase("KV cache")
         block_size = config.cache.block_size
+        self.max_model_len = _fit_to_kv_cache(
+            self.max_model_len, (self.num_blocks - 1) * block_size, explicit_max_model_len
+        )
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.num_blocks, self.max_model_len, block_size
         )
@@ -292,3 +296,28 @@ def _resolve_max_model_len(config: EngineConfig, model_limit: int) -> EngineConf
             f"{model_limit} positions"
         )
     return config
+
+
+def _fit_to_kv_cache(max_model_len: int, kv_tokens: int, explicit: bool) -> int:
+    """The context length a request may reach: at most what the KV cache holds. A longer
+    request could never run alone, and would be preempted and recomputed forever.
+
+    Raises:
+        ValueError: ``--max-model-len`` was given and the cache cannot hold it (as vLLM).
+    """
+    if max_model_len <= kv_tokens:
+        return max_model_len
+    if explicit:
+        raise ValueError(
+            f"invalid engine argument max_model_len={max_model_len}: the KV cache holds "
+            f"{kv_tokens} tokens; raise --kv-cache-memory (or --gpu-memory-utilization) or "
+            "lower --max-model-len"
+        )
+    logger.warning(
+        "the KV cache holds %d tokens, fewer than the model's %d positions: requests are "
+        "limited to %d tokens (raise --kv-cache-memory or --gpu-memory-utilization for more)",
+        kv_tokens,
+        max_model_len,
+        kv_tokens,
+    )
+    return kv_tokens

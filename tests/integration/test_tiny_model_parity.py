@@ -107,3 +107,25 @@ def test_every_cpu_attention_backend_equals_hf(tmp_path: Path, backend: str) -> 
     lengths) and the C++ kernel, through the engine, on a GQA model."""
     folder = write_tiny_model(tmp_path / "m", num_kv_heads=2)
     assert _engine_outputs(folder, attention_backend=backend) == _hf_outputs(folder)
+
+
+def test_a_kv_cache_smaller_than_the_context_bounds_every_request(tmp_path: Path) -> None:
+    # 24 blocks of 4 tokens (one is the null block): 92 tokens. A request that could grow past
+    # them could never run alone; it was preempted and recomputed forever. Now the context
+    # stops at what the cache holds, and the request ends with "length".
+    folder = write_tiny_model(tmp_path / "m", num_kv_heads=2)
+    tight = {"block_size": 4, "num_gpu_blocks_override": 24}
+    llm = LLM(str(folder), multiprocess=False, dtype="float32", kv_cache_memory=16 << 20, **tight)
+    try:
+        prompt = [{"prompt_token_ids": PROMPTS[4]}]  # 64 tokens
+        too_many = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+        with pytest.raises(ValueError, match="max_model_len is 92"):
+            llm.generate(prompt, too_many, use_tqdm=False)
+        up_to_the_context = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+        completion = llm.generate(prompt, up_to_the_context, use_tqdm=False)[0].outputs[0]
+        assert completion.finish_reason == "length"
+        assert len(completion.token_ids) == 92 - 64
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match=r"max_model_len=200: the KV cache holds 92 tokens"):
+        LLM(str(folder), multiprocess=False, max_model_len=200, kv_cache_memory=16 << 20, **tight)
