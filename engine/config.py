@@ -17,10 +17,16 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Literal, get_args, get_origin
+from typing import Literal
+
+from corefleet.engine.config_fields import (
+    EngineArg,
+    engine_arg,
+    engine_arg_of,
+    require,
+    require_choice,
+)
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "gguf", "none"]
@@ -29,37 +35,6 @@ AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash-attn"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 GiB = 1 << 30
-
-_ARG_METADATA_KEY = "corefleet.engine_arg"
-
-
-@dataclass(frozen=True)
-class _Declared:
-    """What a field's :func:`engine_arg` says; the rest comes from its annotation."""
-
-    help: str
-    flag: str | None
-
-
-def engine_arg(help: str, flag: str | None = None) -> dict[str, object]:
-    """The ``metadata`` of a config field that is also an engine argument (a flag, a keyword).
-
-    Use as ``field(default=..., metadata=engine_arg("help text"))``. ``flag`` is vLLM's flag
-    name, needed only where it is not ``--`` plus the field name with dashes (``policy`` is
-    ``--scheduling-policy``). The keyword is the flag without ``--``, dashes as underscores,
-    like vLLM's ``EngineArgs`` fields.
-    """
-    return {_ARG_METADATA_KEY: _Declared(help, flag)}
-
-
-def _require(ok: bool, name: str, value: object, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"invalid engine argument {name}={value!r}: {rule}")
-
-
-def _require_choice(name: str, value: object, literal: object) -> None:
-    choices = get_args(literal)
-    _require(value in choices, name, value, "must be one of " + ", ".join(map(str, choices)))
 
 
 @dataclass(frozen=True)
@@ -105,10 +80,10 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
-        _require_choice("dtype", self.dtype, Dtype)
-        _require_choice("quantization", self.quantization, Quantization)
+        require_choice("dtype", self.dtype, Dtype)
+        require_choice("quantization", self.quantization, Quantization)
         if self.max_model_len is not None:
-            _require(
+            require(
                 self.max_model_len >= 2, "max_model_len", self.max_model_len, "must be at least 2"
             )
 
@@ -151,28 +126,28 @@ class CacheConfig:
     )
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             # 256: flash-attn 2's paged kernel takes only multiples of 256 tokens per block.
             self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
             "block_size",
             self.block_size,
             "must be a power of two up to 256",
         )
-        _require_choice("kv_cache_dtype", self.cache_dtype, KVCacheDtype)
-        _require(
+        require_choice("kv_cache_dtype", self.cache_dtype, KVCacheDtype)
+        require(
             self.kv_cache_memory is None or self.kv_cache_memory > 0,
             "kv_cache_memory",
             self.kv_cache_memory,
             "must be a positive number of bytes",
         )
-        _require(
+        require(
             0.0 < self.gpu_memory_utilization <= 1.0,
             "gpu_memory_utilization",
             self.gpu_memory_utilization,
             "must be in (0, 1]",
         )
         if self.num_blocks_override is not None:
-            _require(
+            require(
                 self.num_blocks_override >= 2,
                 "num_gpu_blocks_override",
                 self.num_blocks_override,
@@ -201,14 +176,14 @@ class SchedulerConfig:
     )
 
     def __post_init__(self) -> None:
-        _require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
-        _require(
+        require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
+        require(
             self.max_num_batched_tokens >= 1,
             "max_num_batched_tokens",
             self.max_num_batched_tokens,
             "must be >= 1",
         )
-        _require_choice("scheduling_policy", self.policy, SchedulingPolicy)
+        require_choice("scheduling_policy", self.policy, SchedulingPolicy)
 
 
 @dataclass(frozen=True)
@@ -227,7 +202,7 @@ class DeviceConfig:
     )
 
     def __post_init__(self) -> None:
-        _require_choice("attention_backend", self.attention_backend, AttentionBackendName)
+        require_choice("attention_backend", self.attention_backend, AttentionBackendName)
 
 
 # The devices of one node (the operator gives a rank pod this many GPUs at most).
@@ -272,13 +247,13 @@ class ParallelConfig:
     )
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL,
             "tensor_parallel_size",
             self.tensor_parallel_size,
             f"must be between 1 and {MAX_TENSOR_PARALLEL} (the devices of one node)",
         )
-        _require(
+        require(
             1 <= self.pipeline_parallel_size <= MAX_TENSOR_PARALLEL
             and self.world_size <= MAX_TENSOR_PARALLEL,
             "pipeline_parallel_size",
@@ -287,7 +262,7 @@ class ParallelConfig:
             f"{MAX_TENSOR_PARALLEL} (the devices of one node)",
         )
         backend = self.distributed_executor_backend
-        _require(
+        require(
             backend in ("uni", "mp") or (":" in backend and all(backend.split(":"))),
             "distributed_executor_backend",
             backend,
@@ -350,29 +325,6 @@ class EngineConfig:
         )
 
 
-@dataclass(frozen=True)
-class EngineArg:
-    """One engine argument: where it lives in :class:`EngineConfig` and how it is spelled."""
-
-    section: str  # the EngineConfig attribute holding it: model, cache, scheduler, ...
-    name: str  # the field's name in that section's dataclass
-    flag: str  # vLLM's flag, e.g. --scheduling-policy
-    help: str
-    kind: type  # bool (a --x/--no-x flag), int, float or str
-    choices: tuple[str, ...] | None  # the values of a Literal annotation
-    optional: bool  # None is allowed (and the default): the flag is then left out of an argv
-    default: object
-
-    @property
-    def keyword(self) -> str:
-        """The keyword ``LLM(...)`` and :meth:`EngineConfig.from_kwargs` take (vLLM's name)."""
-        return self.flag.removeprefix("--").replace("-", "_")
-
-    def value_in(self, config: EngineConfig) -> object:
-        """This argument's value in ``config``."""
-        return getattr(getattr(config, self.section), self.name)
-
-
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "cache": CacheConfig,
@@ -380,39 +332,8 @@ _SECTIONS: dict[str, type] = {
     "device": DeviceConfig,
     "parallel": ParallelConfig,
 }
-_CLI_KINDS = (bool, int, float, str)
-
-
-def _engine_arg_of(section: str, cls: type, f: dataclasses.Field[object]) -> EngineArg:
-    """The table row of one field; a field without an :func:`engine_arg` declaration fails."""
-    declared = f.metadata.get(_ARG_METADATA_KEY)
-    if not isinstance(declared, _Declared):
-        raise TypeError(f"{cls.__name__}.{f.name} has no field(metadata=engine_arg(...))")
-    kind, optional = _without_none(typing.get_type_hints(cls)[f.name])
-    choices: tuple[str, ...] | None = None
-    if get_origin(kind) is Literal:
-        choices = get_args(kind)
-        if not all(isinstance(c, str) for c in choices):
-            raise TypeError(f"{cls.__name__}.{f.name}: only Literals of strings are supported")
-        kind = str
-    if kind not in _CLI_KINDS or (optional and f.default is not None):
-        # An X | None field must default to None: None cannot be given on a command line.
-        raise TypeError(f"{cls.__name__}.{f.name}: cannot be an engine argument as annotated")
-    flag = declared.flag or "--" + f.name.replace("_", "-")
-    return EngineArg(section, f.name, flag, declared.help, kind, choices, optional, f.default)
-
-
-def _without_none(hint: object) -> tuple[type, bool]:
-    """``X | None`` -> ``(X, True)``; anything else -> ``(hint, False)``."""
-    if get_origin(hint) in (types.UnionType, typing.Union):
-        rest = [a for a in get_args(hint) if a is not type(None)]
-        if len(rest) == 1:
-            return rest[0], True
-    return typing.cast(type, hint), False
-
-
 ENGINE_ARGS: tuple[EngineArg, ...] = tuple(
-    _engine_arg_of(section, cls, f)
+    engine_arg_of(section, cls, f)
     for section, cls in _SECTIONS.items()
     for f in dataclasses.fields(cls)
 )

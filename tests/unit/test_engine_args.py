@@ -276,11 +276,11 @@ def test_engine_core_requires_a_coordinator(capsys: pytest.CaptureFixture[str]) 
 
 def test_a_field_without_a_declaration_cannot_enter_the_table() -> None:
     """A config field added without ``metadata=engine_arg(...)`` fails at import, loudly."""
-    from corefleet.engine.config import _engine_arg_of
+    from corefleet.engine.config_fields import engine_arg_of
 
     @dataclasses.dataclass(frozen=True)
     class Undeclared:
         knob: int = 3
 
     with pytest.raises(TypeError, match=r"Undeclared\.knob"):
-        _engine_arg_of("cache", Undeclared, dataclasses.fields(Undeclared)[0])
+        engine_arg_of("cache", Undeclared, dataclasses.fields(Undeclared)[0])
