@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -18,6 +18,8 @@ import zmq
 from corefleet.engine.client.base import EngineCoreClient
 from corefleet.engine.client.inproc import InprocClient
 from corefleet.engine.config import EngineConfig
+from corefleet.engine.coordinator.fleet_client import FleetClient
+from corefleet.engine.coordinator.routing import make_policy
 from corefleet.engine.engine_args import engine_argv_from_config
 from corefleet.engine.messages import EngineCoreRequest, FinishReason, SamplingParams
 from corefleet.engine.transport.handshake import HandshakeServer
@@ -187,3 +189,22 @@ def run_with_processes(
         for proc in procs:
             proc.kill()
             proc.wait(timeout=10)
+
+
+@contextlib.asynccontextmanager
+async def local_fleet(heartbeat_timeout_s: float | None = None) -> AsyncIterator[FleetClient]:
+    """A started coordinator fleet on 127.0.0.1 (free ports, round robin) that ranks from
+    :func:`spawn_rank` can join; closed on leaving."""
+    options = {} if heartbeat_timeout_s is None else {"heartbeat_timeout_s": heartbeat_timeout_s}
+    fleet = FleetClient(
+        policy=make_policy("round-robin"),
+        bind_host="127.0.0.1",
+        advertise_host="127.0.0.1",
+        ports=(0, 0, 0),
+        **options,
+    )
+    await fleet.start()
+    try:
+        yield fleet
+    finally:
+        await fleet.close()

@@ -19,9 +19,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from corefleet.engine.coordinator.fleet_client import FleetClient
 from corefleet.engine.coordinator.membership import RankMember, RankState
-from corefleet.engine.coordinator.routing import make_policy
 from corefleet.engine.coordinator.server import FleetServer
 from corefleet.engine.messages import (
     PROTOCOL_VERSION,
@@ -33,7 +31,7 @@ from corefleet.engine.messages import (
     ReadyResponse,
 )
 from corefleet.engine.transport.handshake import rank_identity
-from tests.engine_proc_support import greedy, run_with_processes, spawn_rank, until
+from tests.engine_proc_support import greedy, local_fleet, run_with_processes, spawn_rank, until
 from tests.fixtures_models import write_tiny_llama
 
 HEARTBEAT_S = 3600.0  # never the cause of a death seen in these tests
@@ -160,15 +158,7 @@ def test_a_sigkilled_rank_is_dead_and_its_stream_migrates(tmp_path: Path) -> Non
     model = write_tiny_llama(tmp_path / "m")
 
     async def scenario(procs: list[subprocess.Popen[bytes]]) -> None:
-        fleet = FleetClient(
-            policy=make_policy("round-robin"),
-            bind_host="127.0.0.1",
-            advertise_host="127.0.0.1",
-            ports=(0, 0, 0),
-            heartbeat_timeout_s=HEARTBEAT_S,
-        )
-        await fleet.start()
-        try:
+        async with local_fleet(heartbeat_timeout_s=HEARTBEAT_S) as fleet:
             procs.extend(spawn_rank(model, fleet.server.ports[0], r) for r in (0, 1))
             await until(lambda: len(fleet.membership.accepting()) == 2, 120, "two ranks ready")
             tokens: list[int] = []
@@ -196,7 +186,5 @@ def test_a_sigkilled_rank_is_dead_and_its_stream_migrates(tmp_path: Path) -> Non
             await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S * 2)
             assert reasons == ["length", "length"]
             assert fleet.counters.migrations >= 1
-        finally:
-            await fleet.close()
 
     run_with_processes(scenario)

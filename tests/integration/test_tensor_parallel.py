@@ -20,14 +20,13 @@ from corefleet.engine import LLM, SamplingParams, StructuredOutputsParams
 from corefleet.engine.client.base import EngineDeadError, MPClientOptions
 from corefleet.engine.client.inproc import InprocClient
 from corefleet.engine.client.mp import SyncMPClient
-from corefleet.engine.coordinator.fleet_client import FleetClient
 from corefleet.engine.coordinator.membership import RankState
-from corefleet.engine.coordinator.routing import make_policy
 from corefleet.engine.messages import EngineCoreRequest
 from tests.engine_proc_support import (
     PROMPTS,
     collect,
     greedy,
+    local_fleet,
     run_with_processes,
     spawn_rank,
     tiny_config,
@@ -252,15 +251,7 @@ def test_a_killed_worker_s_streams_migrate_to_another_rank(tmp_path: Path) -> No
     model = write_tiny_llama(tmp_path / "m")
 
     async def scenario(procs: list[subprocess.Popen[bytes]]) -> None:
-        fleet = FleetClient(
-            policy=make_policy("round-robin"),
-            bind_host="127.0.0.1",
-            advertise_host="127.0.0.1",
-            ports=(0, 0, 0),
-            heartbeat_timeout_s=3600.0,  # never the cause here
-        )
-        await fleet.start()
-        try:
+        async with local_fleet(heartbeat_timeout_s=3600.0) as fleet:
             for rank in (0, 1):
                 procs.append(spawn_rank(model, fleet.server.ports[0], rank, tensor_parallel_size=2))
             await until(lambda: len(fleet.membership.accepting()) == 2, 120, "two ranks ready")
@@ -285,8 +276,6 @@ def test_a_killed_worker_s_streams_migrate_to_another_rank(tmp_path: Path) -> No
             await asyncio.wait_for(asyncio.gather(*tasks), 120)
             assert reasons == ["length", "length"]
             assert procs[victim].wait(timeout=30) == 1
-        finally:
-            await fleet.close()
 
     run_with_processes(scenario)
 
@@ -296,14 +285,7 @@ def test_sigterm_stops_a_rank_and_its_workers(tmp_path: Path, mode: str) -> None
     model = write_tiny_llama(tmp_path / "m")
 
     async def scenario(procs: list[subprocess.Popen[bytes]]) -> None:
-        fleet = FleetClient(
-            policy=make_policy("round-robin"),
-            bind_host="127.0.0.1",
-            advertise_host="127.0.0.1",
-            ports=(0, 0, 0),
-        )
-        await fleet.start()
-        try:
+        async with local_fleet() as fleet:
             procs.append(
                 spawn_rank(
                     model,
@@ -337,8 +319,6 @@ def test_sigterm_stops_a_rank_and_its_workers(tmp_path: Path, mode: str) -> None
             assert reasons == ["length"] if mode == "drain" else reasons[0] in ("abort", "length")
             assert await asyncio.to_thread(procs[0].wait, 60) == 0
             await until(lambda: all(_gone(w) for w in workers), 30, "no worker left")
-        finally:
-            await fleet.close()
 
     run_with_processes(scenario)
 
@@ -351,21 +331,12 @@ def test_a_rank_that_cannot_split_its_model_says_why_in_its_termination_message(
     log.touch()  # the kubelet creates it in a pod; outside one the rank writes nothing
 
     async def scenario(procs: list[subprocess.Popen[bytes]]) -> None:
-        fleet = FleetClient(
-            policy=make_policy("round-robin"),
-            bind_host="127.0.0.1",
-            advertise_host="127.0.0.1",
-            ports=(0, 0, 0),
-        )
-        await fleet.start()
-        try:
+        async with local_fleet() as fleet:
             env = {"COREFLEET_TERMINATION_LOG": str(log)}
             procs.append(
                 spawn_rank(model, fleet.server.ports[0], 0, env=env, tensor_parallel_size=3)
             )
             assert await asyncio.to_thread(procs[0].wait, 120) == 1
-        finally:
-            await fleet.close()
 
     run_with_processes(scenario)
     said = log.read_text()
