@@ -187,6 +187,8 @@ def template_inputs(
     ``messages`` are :meth:`ChatCompletionRequest.template_messages`: assistant calls carry
     their arguments as objects, as transformers' templates expect.
     """
+    if not plan.tools and not any("tool_calls" in m for m in messages):
+        return messages, {}  # most conversations: nothing of tools to render
     tools = [t.model_dump(exclude_none=True) for t in plan.tools]
     if template is None or "tools" in template_variables(template):
         return messages, {"tools": tools} if tools else {}

@@ -81,8 +81,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     @property
     def answers(self) -> bool:
         """Whether this worker's results are the step's: the last stage's first worker."""
-        parallel = self.config.parallel
-        return self.rank == (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
+        return self.rank == answering_rank(self.config)
 
 
 def answering_rank(config: EngineConfig) -> int:
