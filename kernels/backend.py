@@ -147,6 +147,18 @@ class KernelBackend:
         """SwiGLU on the fused gate/up projection: ``silu(x[:, :I]) * x[:, I:]``."""
         return reference.silu_and_mul(x)
 
+    def fused_moe(
+        self,
+        x: torch.Tensor,  # [T, H]
+        w13: torch.Tensor,  # [E, 2I, H] gate rows :I, up rows I:
+        w2: torch.Tensor,  # [E, H, I]
+        topk_weights: torch.Tensor,  # [T, K] float32
+        topk_ids: torch.Tensor,  # [T, K] int32/int64; an id outside [0, E) is skipped
+    ) -> torch.Tensor:  # [T, H], x's dtype
+        """A mixture-of-experts layer's experts: each token's chosen SwiGLU experts, weighted
+        and summed (``reference.fused_moe`` says it exactly)."""
+        return reference.fused_moe(x, w13, w2, topk_weights, topk_ids)
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
         """Row-wise argmax with ``torch.argmax(dim=-1)``'s semantics (the first maximum; a
         row's first NaN wins): greedy sampling and the random draw both end in one."""

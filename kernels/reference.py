@@ -187,3 +187,30 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     """SwiGLU activation on a fused gate/up projection: silu(gate) * up."""
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]) * x[..., half:]
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]: each expert's gate (rows :I) and up (rows I:) projections
+    w2: torch.Tensor,  # [E, H, I]: each expert's down projection
+    topk_weights: torch.Tensor,  # [T, K] float32: each token's weight for each chosen expert
+    topk_ids: torch.Tensor,  # [T, K] int: the chosen experts; an id outside [0, E) is skipped
+) -> torch.Tensor:  # [T, H], x's dtype
+    """The experts of a mixture-of-experts layer: ``sum_k w[t, k] * expert_{id[t, k]}(x[t])``
+    with each expert a SwiGLU MLP, ``down(silu(gate(x)) * up(x))``.
+
+    The per-expert loop: for each expert, the tokens that chose it, through its MLP, weighted,
+    added into the output (in float32). An id outside ``[0, E)`` is skipped, so an expert-
+    parallel rank passes the ids of other ranks' experts as -1. Tokens with no expert get 0.
+    """
+    num_experts = w13.shape[0]
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)  # [T, H]
+    for expert in range(num_experts):
+        tokens, slots = torch.nonzero(topk_ids == expert, as_tuple=True)  # [n], [n]
+        if tokens.numel() == 0:
+            continue
+        hidden = silu_and_mul(F.linear(x[tokens], w13[expert]))  # [n, I]
+        expert_out = F.linear(hidden, w2[expert]).float()  # [n, H]
+        weights = topk_weights[tokens, slots].float().unsqueeze(1)  # [n, 1]
+        out.index_add_(0, tokens, expert_out * weights)
+    return out.to(x.dtype)

@@ -10,12 +10,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from corefleet.engine.models.arch import ArchConfig
+from corefleet.engine.models.arch import ArchConfig, MoESpec
 
 if TYPE_CHECKING:  # torch only for annotations: the coordinator reads models without it
     import torch
 
-HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+HF_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
+)
+# Where each architecture's q/k normalisation sits (``ArchConfig.qk_norm``).
+_QK_NORM = {"Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "projection"}
 _INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -122,11 +132,58 @@ def read_hf_arch_config(folder: Path) -> ArchConfig:
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         rope_scaling=scaling,
-        # Qwen2 always has q/k/v biases and its config does not say so.
-        attention_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+        attention_bias=_attention_bias(arch, config),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos),
         torch_dtype=config.get("torch_dtype") or config.get("dtype"),
+        moe=_moe_spec(arch, config),
+        qk_norm=_QK_NORM.get(arch),
+        clip_qkv=None if config.get("clip_qkv") is None else float(config["clip_qkv"]),
+    )
+
+
+def _attention_bias(arch: str, config: dict[str, Any]) -> bool:
+    if arch == "Qwen2ForCausalLM":
+        return True  # Qwen2 always has q/k/v biases and its config does not say so
+    if arch == "Qwen2MoeForCausalLM":
+        return bool(config.get("qkv_bias", True))
+    return bool(config.get("attention_bias", False))
+
+
+def _moe_spec(arch: str, config: dict[str, Any]) -> MoESpec | None:
+    """The experts of a mixture-of-experts architecture, by its config.json's own names."""
+    if arch == "MixtralForCausalLM":
+        return MoESpec(
+            num_experts=int(config["num_local_experts"]),
+            top_k=int(config["num_experts_per_tok"]),
+            expert_intermediate_size=int(config["intermediate_size"]),
+            renormalize=True,
+        )
+    if arch == "OlmoeForCausalLM":
+        return MoESpec(
+            num_experts=int(config["num_experts"]),
+            top_k=int(config["num_experts_per_tok"]),
+            expert_intermediate_size=int(config["intermediate_size"]),
+            renormalize=bool(config.get("norm_topk_prob", False)),
+        )
+    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return None
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; the published
+    # checkpoints say num_experts.
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    layers = int(config["num_hidden_layers"])
+    step = int(config.get("decoder_sparse_step") or 1)
+    mlp_only = {int(i) for i in config.get("mlp_only_layers") or []}
+    dense = tuple(i for i in range(layers) if i in mlp_only or experts == 0 or (i + 1) % step != 0)
+    if len(dense) == layers:
+        return None  # no sparse layer: a dense model under an MoE name
+    return MoESpec(
+        num_experts=experts,
+        top_k=int(config["num_experts_per_tok"]),
+        expert_intermediate_size=int(config["moe_intermediate_size"]),
+        renormalize=bool(config.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
+        dense_layers=dense,
     )
 
 
