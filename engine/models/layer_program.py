@@ -26,6 +26,7 @@ from corefleet.kernels.metadata import AttentionMetadata
 KVCache = tuple[torch.Tensor, torch.Tensor]
 Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, D]
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # the sum over tensor-parallel workers
+Mlp = Callable[[torch.Tensor], torch.Tensor]  # [T, H] -> [T, H]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,21 +48,20 @@ class AttentionShape:
 
 
 class LayerProgram:
-    """One Llama decoder layer: RMSNorm, attention over the paged cache, RMSNorm, SwiGLU MLP,
-    with the residual carried alongside (``__call__``)."""
+    """One Llama decoder layer: RMSNorm, attention over the paged cache, RMSNorm, the MLP (dense
+    SwiGLU or a mixture of experts), with the residual carried alongside (``__call__``)."""
 
     __slots__ = (
-        "down",
-        "gate_up",
         "input_norm",
+        "mlp",
         "o_proj",
         "paged_attention",
         "post_norm",
+        "qk_norm",
         "qkv",
         "reduce",
         "rotary_to_cache",
         "shape",
-        "silu_and_mul",
     )
 
     def __init__(
@@ -71,20 +71,20 @@ class LayerProgram:
         qkv: Linear,  # [T, H] -> [T, q + 2kv]
         o_proj: Linear,  # [T, q] -> [T, H]
         post_norm: Norm,
-        gate_up: Linear,  # [T, H] -> [T, 2I]
-        down: Linear,  # [T, I] -> [T, H]
+        mlp: Mlp,  # [T, H] -> [T, H]: the dense SwiGLU MLP or the experts (``moe``)
         backend: KernelBackend,
         shape: AttentionShape,
-        reduce: Reduce | None = None,  # tensor parallelism: after o_proj and down
+        reduce: Reduce | None = None,  # tensor parallelism: after o_proj and the MLP
+        qk_norm: Linear | None = None,  # [T, q + 2kv] -> same: q/k norms (Qwen3-MoE, OLMoE)
     ) -> None:
         self.input_norm, self.qkv, self.o_proj = input_norm, qkv, o_proj
-        self.post_norm, self.gate_up, self.down = post_norm, gate_up, down
+        self.post_norm, self.mlp = post_norm, mlp
         self.shape = shape
         self.reduce = reduce
+        self.qk_norm = qk_norm
         # Bound once: a method looked up on the backend is a new bound object every call.
         self.rotary_to_cache = backend.rotary_to_cache
         self.paged_attention = backend.paged_attention
-        self.silu_and_mul = backend.silu_and_mul
 
     def __call__(
         self,
@@ -99,7 +99,7 @@ class LayerProgram:
         if self.reduce is not None:  # each worker's heads gave a partial o_proj output
             x = self.reduce(x)
         x, residual = self.post_norm(x, residual)
-        x = self.down(self.silu_and_mul(self.gate_up(x)))
+        x = self.mlp(x)
         if self.reduce is not None:
             x = self.reduce(x)
         return x, residual
@@ -109,10 +109,13 @@ class LayerProgram:
     ) -> torch.Tensor:  # [T, H] -> [T, H]
         num_tokens, shape = x.shape[0], self.shape
         k_cache, v_cache = kv_cache
+        qkv = self.qkv(x)  # [T, q + 2kv]
+        if self.qk_norm is not None:
+            qkv = self.qk_norm(qkv)
         # Heads, rotated, in the cache's dtype (a 16-bit cache under float32 activations:
         # attention runs in it, and only its output returns to the activations' dtype).
         q, k, v = self.rotary_to_cache(
-            self.qkv(x),  # [T, q + 2kv]
+            qkv,
             *rotary,
             k_cache,
             v_cache,

@@ -17,9 +17,17 @@ import torch
 from torch import nn
 
 from corefleet.engine.models.arch import ArchConfig
-from corefleet.engine.models.layer_program import AttentionShape, KVCache, LayerProgram, Reduce
+from corefleet.engine.models.layer_program import (
+    AttentionShape,
+    KVCache,
+    LayerProgram,
+    Mlp,
+    Reduce,
+)
 from corefleet.engine.models.llama_loading import load_llama_weights
+from corefleet.engine.models.moe import SparseMoeBlock
 from corefleet.engine.models.pipeline_parallel import PipelineStage
+from corefleet.engine.models.qk_norm import NormWeight, QKVTransform, bind_qk_norm, qk_norm_widths
 from corefleet.engine.models.quant_layers import QuantEmbedding, QuantLinear, QuantPart
 from corefleet.engine.models.rope import build_cos_sin_cache
 from corefleet.engine.models.tensor_parallel import ShardPlan, VocabParallelEmbedding
@@ -118,16 +126,33 @@ class LlamaAttention(nn.Module):
         )
         self.backend = backend
         self.shape = AttentionShape(self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+        self.cfg = cfg
+        self.q_norm: NormWeight | None = None
+        self.k_norm: NormWeight | None = None
+        if cfg.qk_norm is not None:
+            q_width, k_width = qk_norm_widths(cfg)
+            self.q_norm, self.k_norm = NormWeight(q_width), NormWeight(k_width)
+
+    def bind_qk_norm(self) -> QKVTransform | None:
+        """The q/k norms (and clamp) between the projection and RoPE, where the model has them."""
+        if self.q_norm is None or self.k_norm is None:
+            return None
+        return bind_qk_norm(self.cfg, self.backend, self.q_norm, self.k_norm)
 
 
 class LlamaMLP(nn.Module):
-    """The SwiGLU MLP's parameters (fused gate|up, down); ``LayerProgram`` runs it."""
+    """The SwiGLU MLP's parameters (fused gate|up, down); ``bind`` runs it."""
 
     def __init__(
-        self, cfg: ArchConfig, backend: KernelBackend, make_linear: LinearFactory, prefix: str
+        self,
+        cfg: ArchConfig,
+        backend: KernelBackend,
+        make_linear: LinearFactory,
+        prefix: str,
+        size: int | None = None,  # the intermediate size; cfg's unless given (a shared expert)
     ) -> None:
         super().__init__()
-        size = cfg.intermediate_size
+        size = cfg.intermediate_size if size is None else size
         self.gate_up_proj = make_linear(
             cfg.hidden_size,
             [(f"{prefix}gate_proj.weight", "gate", size), (f"{prefix}up_proj.weight", "up", size)],
@@ -137,6 +162,12 @@ class LlamaMLP(nn.Module):
             size, [(f"{prefix}down_proj.weight", None, cfg.hidden_size)], False
         )
         self.backend = backend
+
+    def bind(self, dtype: torch.dtype) -> Mlp:
+        """``down(silu(gate(x)) * up(x))`` as a closure over the current weights."""
+        gate_up, down = self.gate_up_proj.bind(dtype), self.down_proj.bind(dtype)
+        silu_and_mul = self.backend.silu_and_mul
+        return lambda x: down(silu_and_mul(gate_up(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -150,7 +181,21 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.self_attn = LlamaAttention(cfg, backend, make_linear, f"{prefix}self_attn.")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.mlp = LlamaMLP(cfg, backend, make_linear, f"{prefix}mlp.")
+        self.mlp: LlamaMLP | SparseMoeBlock = self._mlp(cfg, backend, make_linear, index)
+
+    @staticmethod
+    def _mlp(
+        cfg: ArchConfig, backend: KernelBackend, make_linear: LinearFactory, index: int
+    ) -> LlamaMLP | SparseMoeBlock:
+        prefix = f"model.layers.{index}.mlp."
+        spec = cfg.moe
+        if spec is None or not spec.is_sparse(index):
+            return LlamaMLP(cfg, backend, make_linear, prefix)
+        shared = None
+        if spec.shared_expert_intermediate_size:
+            size = spec.shared_expert_intermediate_size
+            shared = LlamaMLP(cfg, backend, make_linear, f"{prefix}shared_expert.", size)
+        return SparseMoeBlock(cfg, spec, backend, shared)
 
     def program(self, dtype: torch.dtype, reduce: Reduce | None = None) -> LayerProgram:
         """This layer's forward pass, bound to its current weights, for activations of
@@ -162,11 +207,11 @@ class LlamaDecoderLayer(nn.Module):
             qkv=attn.qkv_proj.bind(dtype),
             o_proj=attn.o_proj.bind(dtype),
             post_norm=self.post_attention_layernorm.bind(),
-            gate_up=mlp.gate_up_proj.bind(dtype),
-            down=mlp.down_proj.bind(dtype),
+            mlp=mlp.bind(dtype),
             backend=attn.backend,
             shape=attn.shape,
             reduce=reduce,
+            qk_norm=attn.bind_qk_norm(),
         )
 
 

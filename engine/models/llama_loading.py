@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from corefleet.engine.models.moe import expert_block, expert_blocks, moe_hf_name
 from corefleet.engine.models.quant_layers import QuantEmbedding, QuantLinear
 
 if TYPE_CHECKING:
@@ -23,6 +24,13 @@ _FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
     "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
     "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+    "mlp.shared_expert.gate_proj": ("mlp.shared_expert.gate_up_proj", "gate"),
+    "mlp.shared_expert.up_proj": ("mlp.shared_expert.gate_up_proj", "up"),
+}
+# Mixture-of-experts tensors whose names differ from ours (the experts: ``moe_hf_name``).
+_RENAMED = {
+    ".mlp.gate.weight": ".mlp.router.weight",
+    ".block_sparse_moe.gate.weight": ".mlp.router.weight",
 }
 
 
@@ -57,8 +65,10 @@ def load_llama_weights(
             raise ValueError(f"checkpoint tensor {hf_name!r} has no place in the model")
         elif shard is None:
             target = params[name].data
+        elif ":" in shard:  # one expert's block of a stacked expert parameter
+            target = expert_block(params[name].data, shard)
         else:
-            start, size = _shard_range(model, shard)
+            start, size = _shard_range(model, shard, params[name])
             target = params[name].data.narrow(0, start, size)
         _copy_checked(target, tensor, hf_name)
         loaded.add(f"{name}:{shard}")
@@ -77,18 +87,14 @@ def _quantized_target(
     raise ValueError(f"quantized checkpoint tensor {hf_name!r} has no quantized place")
 
 
-def _shard_range(model: LlamaForCausalLM, shard: str) -> tuple[int, int]:
-    """Where a part of a fused parameter lies in it (this worker's sizes)."""
+def _shard_range(model: LlamaForCausalLM, shard: str, param: torch.Tensor) -> tuple[int, int]:
+    """Where a part of a fused parameter lies in it (this worker's sizes): gate and up are the
+    halves of a gate|up parameter (a layer's MLP or a shared expert, whatever its size)."""
     cfg = model.cfg
     q = cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
-    ranges = {
-        "q": (0, q),
-        "k": (q, kv),
-        "v": (q + kv, kv),
-        "gate": (0, cfg.intermediate_size),
-        "up": (cfg.intermediate_size, cfg.intermediate_size),
-    }
+    half = param.shape[0] // 2
+    ranges = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv), "gate": (0, half), "up": (half, half)}
     return ranges[shard]
 
 
@@ -100,10 +106,12 @@ def _check_complete(model: LlamaForCausalLM, loaded: set[str], shared_head: bool
             expected.update(f"{prefix}.weight:{shard}" for shard in module.shards)
         elif isinstance(module, QuantEmbedding):
             expected.add(f"{prefix}.weight:None")
-    for name, _ in model.named_parameters():
+    for name, param in model.named_parameters():
         if name == "lm_head.weight" and shared_head:
             continue
-        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+        if name.endswith(("mlp.w13", "mlp.w2")):
+            expected.update(f"{name}:{block}" for block in expert_blocks(name, param))
+        elif name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
             expected.update(f"{name}:{s}" for s in ("q", "k", "v"))
         elif name.endswith("gate_up_proj.weight"):
             expected.update(f"{name}:{s}" for s in ("gate", "up"))
@@ -116,7 +124,13 @@ def _check_complete(model: LlamaForCausalLM, loaded: set[str], shared_head: bool
 
 def _map_hf_name(hf_name: str) -> tuple[str, str | None]:
     """HF name -> (our parameter name, shard of a fused parameter or None)."""
+    expert = moe_hf_name(hf_name)
+    if expert is not None:
+        return expert[0].removeprefix("model."), expert[1]
     name = hf_name.removeprefix("model.")
+    for hf_suffix, ours in _RENAMED.items():
+        if name.endswith(hf_suffix):
+            return name.removesuffix(hf_suffix) + ours, None
     for hf_part, (ours, shard) in _FUSED.items():
         if f".{hf_part}." in name:
             return name.replace(hf_part, ours), shard
