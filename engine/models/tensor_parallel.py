@@ -79,12 +79,20 @@ class ShardPlan:
     def local_arch(self) -> ArchConfig:
         """The shapes one worker builds: its heads, its intermediate rows, its vocabulary rows."""
         a, n = self.arch, self.tp.size
+        moe = a.moe
+        if moe is not None:  # each expert (and the shared one) split like a dense MLP
+            moe = dataclasses.replace(
+                moe,
+                expert_intermediate_size=moe.expert_intermediate_size // n,
+                shared_expert_intermediate_size=moe.shared_expert_intermediate_size // n,
+            )
         return dataclasses.replace(
             a,
             num_attention_heads=a.num_attention_heads // n,
             num_key_value_heads=max(1, a.num_key_value_heads // n),
             intermediate_size=a.intermediate_size // n,
             vocab_size=self.vocab_rows,
+            moe=moe,
         )
 
     @property
@@ -108,13 +116,14 @@ class ShardPlan:
             return _rows(tensor, self._kv_head(), max(1, a.num_key_value_heads // n) * a.head_dim)
         if hf_name.endswith("o_proj.weight"):
             return _columns(tensor, rank, a.num_attention_heads // n * a.head_dim)
-        if hf_name.endswith(("gate_proj.weight", "up_proj.weight")):
-            return _rows(tensor, rank, a.intermediate_size // n)
-        if hf_name.endswith("down_proj.weight"):
-            return _columns(tensor, rank, a.intermediate_size // n)
+        # A dense MLP, a shared expert or an expert (Mixtral's w1, w3, w2): its own size.
+        if hf_name.endswith(("gate_proj.weight", "up_proj.weight", ".w1.weight", ".w3.weight")):
+            return _rows(tensor, rank, tensor.shape[0] // n)
+        if hf_name.endswith(("down_proj.weight", ".w2.weight")):
+            return _columns(tensor, rank, tensor.shape[1] // n)
         if hf_name.endswith(("embed_tokens.weight", "lm_head.weight")):
             return self._vocab_rows(tensor)
-        return tensor  # norms
+        return tensor  # norms, routers, the shared expert's gate
 
     def _kv_head(self) -> int:
         """The index, in units of a worker's KV slice, of the KV heads this worker holds."""
@@ -151,6 +160,16 @@ def check_tensor_parallel(arch: ArchConfig, size: int) -> None:
         problems.append(f"{kv} key/value heads")
     if arch.intermediate_size % size:
         problems.append(f"an intermediate size of {arch.intermediate_size}")
+    if arch.moe is not None:
+        for what, width in (
+            ("an expert intermediate size", arch.moe.expert_intermediate_size),
+            ("a shared-expert intermediate size", arch.moe.shared_expert_intermediate_size),
+        ):
+            if width % size:
+                problems.append(f"{what} of {width}")
+    if arch.qk_norm == "projection" and size > 1:
+        # Its norm's statistics span every head: a worker holding some heads cannot compute it.
+        problems.append("q/k norms over the whole projection (OLMoE)")
     if problems:
         raise ValueError(
             f"invalid engine argument tensor_parallel_size={size}: the model has "

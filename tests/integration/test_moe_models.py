@@ -35,3 +35,26 @@ def test_one_expert_per_token_and_olmoe_clip_qkv(tmp_path: Path) -> None:
     config["clip_qkv"] = 0.05  # small enough to clamp many of the random projections
     config_path.write_text(json.dumps(config))
     assert _engine_outputs(folder) == _hf_outputs(folder)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("architecture", "tp", "pp"),
+    [
+        ("qwen2_moe", 2, 1),  # experts, the shared expert and a dense layer split in two
+        ("mixtral", 2, 1),  # Mixtral's w1/w3/w2 names
+        ("qwen3_moe", 1, 2),  # per-head q/k norms; two stages of one layer each
+    ],
+)
+def test_tensor_and_pipeline_parallel_equal_one_worker(
+    tmp_path: Path, architecture: str, tp: int, pp: int
+) -> None:
+    folder = write_tiny_moe(tmp_path / "m", architecture=architecture)
+    layout = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+    assert _engine_outputs(folder, **layout) == _engine_outputs(folder)
+
+
+def test_olmoe_projection_norms_refuse_tensor_parallel_with_the_reason(tmp_path: Path) -> None:
+    folder = write_tiny_moe(tmp_path / "m", architecture="olmoe")
+    with pytest.raises(ValueError, match=r"q/k norms over the whole projection.*cannot split"):
+        _engine_outputs(folder, tensor_parallel_size=2)
