@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from corefleet.engine.models.arch import ArchConfig
+from corefleet.engine.models.expert_parallel import ExpertParallel
 from corefleet.engine.models.layer_program import (
     AttentionShape,
     KVCache,
@@ -24,79 +25,18 @@ from corefleet.engine.models.layer_program import (
     Mlp,
     Reduce,
 )
+from corefleet.engine.models.layers import BackendLinear, LinearFactory, RMSNorm
 from corefleet.engine.models.llama_loading import load_llama_weights
 from corefleet.engine.models.moe import SparseMoeBlock
 from corefleet.engine.models.pipeline_parallel import PipelineStage
 from corefleet.engine.models.qk_norm import NormWeight, QKVTransform, bind_qk_norm, qk_norm_widths
-from corefleet.engine.models.quant_layers import QuantEmbedding, QuantLinear, QuantPart
+from corefleet.engine.models.quant_layers import QuantEmbedding, QuantLinear
 from corefleet.engine.models.rope import build_cos_sin_cache
 from corefleet.engine.models.tensor_parallel import ShardPlan, VocabParallelEmbedding
 from corefleet.kernels import reference
-from corefleet.kernels.backend import KernelBackend, Linear, Norm
+from corefleet.kernels.backend import KernelBackend
 from corefleet.kernels.gguf_quant import QuantFormat
 from corefleet.kernels.metadata import AttentionMetadata
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, backend: KernelBackend) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-        self.backend = backend
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, H]
-        residual: torch.Tensor | None = None,  # [T, H]
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # normed, new residual
-        return self.backend.rms_norm(x, self.weight, self.eps, residual)
-
-    def bind(self) -> Norm:
-        """``forward`` as a closure over the weight (``layer_program``)."""
-        return self.backend.bind_rms_norm(self.weight, self.eps)
-
-
-class BackendLinear(nn.Linear):
-    """``nn.Linear`` (same parameters and names) whose matmul is the kernel backend's."""
-
-    def __init__(
-        self, in_features: int, out_features: int, bias: bool, backend: KernelBackend
-    ) -> None:
-        super().__init__(in_features, out_features, bias=bias)
-        self.backend = backend
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        return self.backend.linear(x, self.weight, self.bias)
-
-    def bind(self, dtype: torch.dtype) -> Linear:
-        """``forward`` as a closure over the weight (``layer_program``); ``dtype`` is unused:
-        the weight's own dtype decides."""
-        return self.backend.bind_linear(self.weight, self.bias)
-
-
-class LinearFactory:
-    """Builds each linear layer dense or quantized, by the formats of its source tensors."""
-
-    def __init__(self, backend: KernelBackend, quantized: Mapping[str, QuantFormat]) -> None:
-        self.backend = backend
-        self.quantized = quantized
-
-    def __call__(
-        self,
-        in_features: int,
-        parts: list[tuple[str, str | None, int]],  # (HF name, shard, rows) in output order
-        bias: bool,
-    ) -> BackendLinear | QuantLinear:
-        formats = [self.quantized.get(hf_name) for hf_name, _, _ in parts]
-        if all(fmt is not None for fmt in formats):
-            quant_parts = [
-                QuantPart(shard, rows, fmt)
-                for (_, shard, rows), fmt in zip(parts, formats, strict=True)
-                if fmt is not None
-            ]
-            return QuantLinear(in_features, quant_parts, bias, self.backend)
-        out_features = sum(rows for _, _, rows in parts)
-        return BackendLinear(in_features, out_features, bias, self.backend)
 
 
 class LlamaAttention(nn.Module):
@@ -174,18 +114,27 @@ class LlamaDecoderLayer(nn.Module):
     """One decoder layer's modules; its forward pass is ``program()``'s."""
 
     def __init__(
-        self, cfg: ArchConfig, backend: KernelBackend, make_linear: LinearFactory, index: int
+        self,
+        cfg: ArchConfig,
+        backend: KernelBackend,
+        make_linear: LinearFactory,
+        index: int,
+        experts: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         prefix = f"model.layers.{index}."
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.self_attn = LlamaAttention(cfg, backend, make_linear, f"{prefix}self_attn.")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.mlp: LlamaMLP | SparseMoeBlock = self._mlp(cfg, backend, make_linear, index)
+        self.mlp = self._mlp(cfg, backend, make_linear, index, experts)
 
     @staticmethod
     def _mlp(
-        cfg: ArchConfig, backend: KernelBackend, make_linear: LinearFactory, index: int
+        cfg: ArchConfig,
+        backend: KernelBackend,
+        make_linear: LinearFactory,
+        index: int,
+        experts: ExpertParallel | None,
     ) -> LlamaMLP | SparseMoeBlock:
         prefix = f"model.layers.{index}.mlp."
         spec = cfg.moe
@@ -195,7 +144,7 @@ class LlamaDecoderLayer(nn.Module):
         if spec.shared_expert_intermediate_size:
             size = spec.shared_expert_intermediate_size
             shared = LlamaMLP(cfg, backend, make_linear, f"{prefix}shared_expert.", size)
-        return SparseMoeBlock(cfg, spec, backend, shared)
+        return SparseMoeBlock(cfg, spec, backend, shared, experts)
 
     def program(self, dtype: torch.dtype, reduce: Reduce | None = None) -> LayerProgram:
         """This layer's forward pass, bound to its current weights, for activations of
@@ -235,11 +184,13 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         shards: ShardPlan | None = None,
         stage: PipelineStage | None = None,
+        experts: ExpertParallel | None = None,
     ) -> None:
         """``quantized``: the block format of each weight (by HF name) kept quantized;
         ``dtype``: the activations' dtype (what a quantized embedding dequantizes to);
         ``shards``: this worker's slices under tensor parallelism (``tensor_parallel``);
-        ``stage``: the layers it holds under pipeline parallelism (``pipeline_parallel``)."""
+        ``stage``: the layers it holds under pipeline parallelism (``pipeline_parallel``);
+        ``experts``: the experts it holds under expert parallelism (``expert_parallel``)."""
         super().__init__()
         self.vocab_size = cfg.vocab_size  # the whole vocabulary, whatever this worker holds
         self.shards = shards if shards is not None and shards.tp.enabled else None
@@ -275,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
                 _weight=torch.empty(cfg.vocab_size, cfg.hidden_size),
             )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, make_linear, i)
+            LlamaDecoderLayer(cfg, backend, make_linear, i, experts)
             if i in self.held_layers
             else AbsentPart()
             for i in range(cfg.num_hidden_layers)

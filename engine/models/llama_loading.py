@@ -12,7 +12,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from corefleet.engine.models.moe import expert_block, expert_blocks, moe_hf_name
+from corefleet.engine.models.moe import (
+    SparseMoeBlock,
+    expert_block,
+    expert_blocks,
+    moe_hf_name,
+)
 from corefleet.engine.models.quant_layers import QuantEmbedding, QuantLinear
 
 if TYPE_CHECKING:
@@ -66,7 +71,10 @@ def load_llama_weights(
         elif shard is None:
             target = params[name].data
         elif ":" in shard:  # one expert's block of a stacked expert parameter
-            target = expert_block(params[name].data, shard)
+            expert = expert_block(params[name].data, shard, _held_experts(model, name))
+            if expert is None:
+                continue  # another expert-parallel rank's
+            target = expert
         else:
             start, size = _shard_range(model, shard, params[name])
             target = params[name].data.narrow(0, start, size)
@@ -106,11 +114,12 @@ def _check_complete(model: LlamaForCausalLM, loaded: set[str], shared_head: bool
             expected.update(f"{prefix}.weight:{shard}" for shard in module.shards)
         elif isinstance(module, QuantEmbedding):
             expected.add(f"{prefix}.weight:None")
-    for name, param in model.named_parameters():
+    for name, _ in model.named_parameters():
         if name == "lm_head.weight" and shared_head:
             continue
         if name.endswith(("mlp.w13", "mlp.w2")):
-            expected.update(f"{name}:{block}" for block in expert_blocks(name, param))
+            held = _held_experts(model, name)
+            expected.update(f"{name}:{block}" for block in expert_blocks(name, held))
         elif name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
             expected.update(f"{name}:{s}" for s in ("q", "k", "v"))
         elif name.endswith("gate_up_proj.weight"):
@@ -120,6 +129,13 @@ def _check_complete(model: LlamaForCausalLM, loaded: set[str], shared_head: bool
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _held_experts(model: LlamaForCausalLM, name: str) -> range:
+    """The experts the MoE block owning the stacked parameter ``name`` holds."""
+    block = model.get_submodule(name.rpartition(".")[0])
+    assert isinstance(block, SparseMoeBlock)
+    return block.held
 
 
 def _map_hf_name(hf_name: str) -> tuple[str, str | None]:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from corefleet.engine.models.arch import ArchConfig, MoESpec
+from corefleet.engine.models.expert_parallel import ExpertParallel
 from corefleet.kernels.backend import KernelBackend
 
 Mlp = Callable[[torch.Tensor], torch.Tensor]  # [T, H] -> [T, H]
@@ -57,20 +58,24 @@ def moe_hf_name(hf_name: str) -> tuple[str, str] | None:
     return f"{prefix}mlp.w13", f"{_PROJ_SHARD[proj]}:{expert}"
 
 
-def expert_block(param: torch.Tensor, block: str) -> torch.Tensor:
+def expert_block(param: torch.Tensor, block: str, held: range) -> torch.Tensor | None:
     """The rows of a stacked expert parameter that checkpoint block ``block`` fills: expert
-    ``e``'s gate (the first half of ``w13[e]``), up (the second half) or down (``w2[e]``)."""
+    ``e``'s gate (the first half of ``w13[e]``), up (the second half) or down (``w2[e]``);
+    None when this rank does not hold expert ``e`` (``held``: the experts it holds, in order)."""
     part, _, expert = block.partition(":")
-    rows = param[int(expert)]  # [2I, H] or [H, I]
+    if int(expert) not in held:
+        return None
+    rows = param[int(expert) - held.start]  # [2I, H] or [H, I]
     if part == "down":
         return rows
     half = rows.shape[0] // 2
     return rows.narrow(0, 0 if part == "gate" else half, half)
 
 
-def expert_blocks(name: str, param: torch.Tensor) -> list[str]:
-    """The checkpoint blocks that fill the stacked parameter ``name`` (``_check_complete``)."""
-    experts = range(param.shape[0])
+def expert_blocks(name: str, held: range) -> list[str]:
+    """The checkpoint blocks that fill the stacked parameter ``name`` holding the experts
+    ``held`` (``_check_complete``)."""
+    experts = held
     if name.endswith("mlp.w2"):
         return [f"down:{e}" for e in experts]
     return [f"{part}:{e}" for e in experts for part in ("gate", "up")]
@@ -80,7 +85,8 @@ class SparseMoeBlock(nn.Module):
     """A layer's router, stacked experts and (Qwen2-MoE) shared expert; ``bind`` runs them.
 
     ``shared_expert`` is built by the caller (a dense SwiGLU MLP module with ``bind``), so this
-    module needs no knowledge of linear layers or quantization.
+    module needs no knowledge of linear layers or quantization. Under expert parallelism
+    (``experts``) it holds only this rank's experts, ``held``.
     """
 
     def __init__(
@@ -89,14 +95,17 @@ class SparseMoeBlock(nn.Module):
         spec: MoESpec,
         backend: KernelBackend,
         shared_expert: nn.Module | None,
+        experts: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         hidden, size = cfg.hidden_size, spec.expert_intermediate_size
         self.spec = spec
         self.backend = backend
+        self.ep = experts if experts is not None and experts.enabled else None
+        self.held = self.ep.experts(spec.num_experts) if self.ep else range(spec.num_experts)
         self.router = nn.Linear(hidden, spec.num_experts, bias=False)
-        self.w13 = nn.Parameter(torch.empty(spec.num_experts, 2 * size, hidden))
-        self.w2 = nn.Parameter(torch.empty(spec.num_experts, hidden, size))
+        self.w13 = nn.Parameter(torch.empty(len(self.held), 2 * size, hidden))
+        self.w2 = nn.Parameter(torch.empty(len(self.held), hidden, size))
         self.shared_expert = shared_expert
         self.shared_expert_gate = (
             nn.Linear(hidden, 1, bias=False) if shared_expert is not None else None
@@ -111,11 +120,35 @@ class SparseMoeBlock(nn.Module):
             shared = self.shared_expert.bind(dtype)  # type: ignore[operator]
             shared_gate = self.shared_expert_gate.weight  # [1, H]
 
-        def forward(x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        def experts(x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
             weights, ids = route(backend.linear(x, router, None), spec.top_k, spec.renormalize)
-            out = backend.fused_moe(x, w13, w2, weights, ids)  # [T, H]
+            return backend.fused_moe(x, w13, w2, weights, ids)
+
+        run_experts = experts if self.ep is None else self._expert_parallel(experts)
+
+        def forward(x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+            out = run_experts(x)
             if shared is not None:
                 out = out + torch.sigmoid(backend.linear(x, shared_gate, None)) * shared(x)
             return out
+
+        return forward
+
+    def _expert_parallel(self, local: Mlp) -> Mlp:
+        """``local`` (the experts this rank holds, over tokens it is given) run on every rank's
+        tokens, each rank keeping its own tokens' sums (``expert_parallel``)."""
+        ep, spec, held, backend = self.ep, self.spec, self.held, self.backend
+        assert ep is not None
+        router, w13, w2 = self.router.weight, self.w13, self.w2
+
+        def forward(x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+            gathered = ep.gather(x)  # every rank's tokens: [S * M, H]
+            every = gathered.x
+            weights, ids = route(backend.linear(every, router, None), spec.top_k, spec.renormalize)
+            # Other ranks' experts, and the padding rows' choices, are skipped (-1).
+            mine = (ids >= held.start) & (ids < held.stop) & gathered.valid().unsqueeze(1)
+            local_ids = torch.where(mine, ids - held.start, -1)  # [S * M, K]
+            partial = backend.fused_moe(every, w13, w2, weights, local_ids)  # [S * M, H]
+            return ep.combine(partial, gathered)  # [T, H]
 
         return forward
