@@ -236,6 +236,14 @@ class ParallelConfig:
             f"{MAX_TENSOR_PARALLEL})"
         ),
     )
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata=engine_arg(
+            "split the experts of a mixture-of-experts model over the data-parallel ranks of its "
+            "group (each holds experts / ranks of them; tokens are exchanged in every MoE layer), "
+            "instead of every rank holding them all"
+        ),
+    )
     distributed_executor_backend: str = field(
         default="uni",
         metadata=engine_arg(
