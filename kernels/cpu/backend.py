@@ -1,5 +1,5 @@
 """The ``cpu`` kernel backend: C++ ops for attention, the layer ops, linears (float and GGUF
-blocks) and argmax.
+blocks), mixture-of-experts layers and argmax.
 
 ``CpuBackend`` overrides the ``KernelBackend`` methods it accelerates and hands every input its
 ops do not take (another dtype, a head size the AVX-512 path cannot tile, non-contiguous
@@ -16,6 +16,10 @@ GGUF-quantized weights stay in their blocks (``kernels/gguf_quant.py``): a decod
 rows multiply them with ``gguf_linear``, which dequantizes in registers as it streams the blocks
 (reading 0.56-1.06 bytes a weight instead of 2 or 4); a prefill's many rows dequantize the
 weight to x's dtype once (``gguf_dequantize``) and run torch's GEMM.
+
+A mixture-of-experts layer's experts are one ``fused_moe`` call (``csrc/fused_moe_cpu.cpp``):
+the routed rows grouped by expert once, the experts of a decode step streamed together through
+register tiles, large prefill groups on torch's GEMM, the weighted sum in float32.
 """
 
 from __future__ import annotations
@@ -62,6 +66,11 @@ GGUF_LINEAR_MAX_ROWS = {torch.float32: 1024, torch.bfloat16: 32}
 # The GGUF formats the C++ ops decode (csrc/gguf_blocks.h), by ggml type id: Q4_0, Q4_1, Q8_0,
 # Q4_K, Q5_K, Q6_K.
 _GGUF_OP_TYPES = frozenset({2, 3, 8, 12, 13, 14})
+# Rows of one expert from which fused_moe runs its projections on torch's GEMM (oneDNN/MKL)
+# rather than streaming the expert's weights through its own tiles: measured about equal at
+# 128 rows in both dtypes, the tiles 1.2-2x faster below (benchmarks/README.md, "Fused MoE").
+FUSED_MOE_GEMM_MIN_ROWS = {torch.float32: 128, torch.bfloat16: 128}
+_ROUTING_ID_DTYPES = (torch.int32, torch.int64)
 
 
 def _gguf_op_takes(qweight: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype) -> bool:
@@ -76,8 +85,9 @@ def _gguf_op_takes(qweight: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype) 
 
 class CpuBackend(KernelBackend):
     """The C++ CPU kernels: attention in place on the paged cache (every new token of a step,
-    decodes and prefill chunks alike), the fused layer ops, the KV-cache write, argmax, and a
-    small-batch linear for steps of a few tokens; large batches' matmuls stay on torch (oneDNN)."""
+    decodes and prefill chunks alike), the fused layer ops, the KV-cache write, argmax, the
+    experts of a mixture-of-experts layer, and a small-batch linear for steps of a few tokens;
+    large batches' matmuls stay on torch (oneDNN)."""
 
     name = "cpu"
 
@@ -227,6 +237,35 @@ class CpuBackend(KernelBackend):
         if x.dtype not in _FUSED_DTYPES:
             return super().silu_and_mul(x)
         out: torch.Tensor = self._ops.silu_and_mul(x.contiguous())
+        return out
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,  # [T, H]
+        w13: torch.Tensor,  # [E, 2I, H] gate rows :I, up rows I:
+        w2: torch.Tensor,  # [E, H, I]
+        topk_weights: torch.Tensor,  # [T, K] float32
+        topk_ids: torch.Tensor,  # [T, K] int32/int64; an id outside [0, E) is skipped
+    ) -> torch.Tensor:  # [T, H], x's dtype
+        """The experts in one C++ call: no per-expert Python, a decode step's experts read
+        together at memory bandwidth (float16 and strided weights: the reference)."""
+        if (
+            x.dtype not in _FUSED_DTYPES
+            or x.dim() != 2
+            or w13.dtype != x.dtype
+            or w2.dtype != x.dtype
+            or not (w13.is_contiguous() and w2.is_contiguous())  # a copy would cost more
+            or topk_ids.dtype not in _ROUTING_ID_DTYPES
+        ):
+            return super().fused_moe(x, w13, w2, topk_weights, topk_ids)
+        out: torch.Tensor = self._ops.fused_moe(
+            x.contiguous(),
+            w13,
+            w2,
+            topk_weights.float().contiguous(),  # [T, K], a no-op for the router's output
+            topk_ids.contiguous(),
+            FUSED_MOE_GEMM_MIN_ROWS[x.dtype],
+        )
         return out
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
