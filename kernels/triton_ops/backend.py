@@ -3,9 +3,11 @@
 Chosen by ``select_kernel_backend`` (``--attention-backend triton``, or ``auto`` on CUDA
 without flash-attn). Float linear layers and argmax stay on ``KernelBackend``'s torch (cuBLAS
 already streams weights at bandwidth); GGUF-quantized linears and embeddings read their blocks
-in Triton (``gguf_matmul.py``); everything between the linears is one Triton kernel each.
-Attention takes the block-table metadata (``AttentionMetadata.block_tables`` and friends), so
-the model runner builds no per-request gathers for it. Importing this module imports Triton.
+in Triton (``gguf_matmul.py``); everything between the linears is one Triton kernel each. A
+mixture-of-experts layer's experts are grouped GEMMs over the tokens sorted by expert
+(``fused_moe.py``). Attention takes the block-table metadata (``AttentionMetadata.block_tables``
+and friends), so the model runner builds no per-request gathers for it. Importing this module
+imports Triton.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from corefleet.kernels.gguf_quant import QuantFormat
 from corefleet.kernels.metadata import AttentionMetadata
 from corefleet.kernels.triton_ops.activation import silu_and_mul
 from corefleet.kernels.triton_ops.attention import unified_attention
+from corefleet.kernels.triton_ops.fused_moe import FLOAT_DTYPES as MOE_DTYPES
+from corefleet.kernels.triton_ops.fused_moe import ID_DTYPES, fused_moe
 from corefleet.kernels.triton_ops.gguf_matmul import (
     FLOAT_DTYPES,
     SUPPORTED,
@@ -29,8 +33,8 @@ from corefleet.kernels.triton_ops.rotary import apply_rotary
 
 
 class TritonBackend(KernelBackend):
-    """Triton kernels for norm, rotary, SiLU-and-mul, the KV-cache write, paged attention and
-    GGUF-quantized linears and embeddings."""
+    """Triton kernels for norm, rotary, SiLU-and-mul, the KV-cache write, paged attention,
+    mixture-of-experts layers and GGUF-quantized linears and embeddings."""
 
     name = "triton"
     needs_block_tables = True
@@ -86,6 +90,30 @@ class TritonBackend(KernelBackend):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
         """One pass over the fused gate/up projection (``triton_ops/activation.py``)."""
         return silu_and_mul(x)
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,  # [T, H]
+        w13: torch.Tensor,  # [E, 2I, H] gate rows :I, up rows I:
+        w2: torch.Tensor,  # [E, H, I]
+        topk_weights: torch.Tensor,  # [T, K] float32
+        topk_ids: torch.Tensor,  # [T, K] int32/int64; an id outside [0, E) is skipped
+    ) -> torch.Tensor:  # [T, H], x's dtype
+        """One grouped GEMM per projection over the tokens sorted by expert
+        (``triton_ops/fused_moe.py``); strided rows or other dtypes go to the reference."""
+        fits = (
+            x.dim() == 2
+            and x.dtype in MOE_DTYPES
+            and w13.dtype == x.dtype
+            and w2.dtype == x.dtype
+            and topk_ids.dtype in ID_DTYPES
+            and x.stride(-1) == 1
+            and w13.stride(-1) == 1
+            and w2.stride(-1) == 1
+        )
+        if fits:
+            return fused_moe(x, w13, w2, topk_weights.float().contiguous(), topk_ids)
+        return super().fused_moe(x, w13, w2, topk_weights, topk_ids)
 
     def write_kv_cache(
         self,

@@ -23,7 +23,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 STREAM_ALL, GEMM_ALL = 257, 1  # gemm_min_rows: the op's largest (every expert streamed), least
 # (T, H, I, E, K): decode-sized, odd sizes (H and I not multiples of 16), a prefill-sized
 # batch with experts of tens of rows.
-SHAPES = [(1, 64, 32, 8, 2), (7, 40, 24, 5, 2), (9, 130, 70, 6, 3), (96, 48, 40, 4, 2)]
+Shape = tuple[int, int, int, int, int]
+SHAPES: list[Shape] = [(1, 64, 32, 8, 2), (7, 40, 24, 5, 2), (9, 130, 70, 6, 3), (96, 48, 40, 4, 2)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -31,7 +32,7 @@ SHAPES = [(1, 64, 32, 8, 2), (7, 40, 24, 5, 2), (9, 130, 70, 6, 3), (96, 48, 40,
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("gemm_min_rows", [STREAM_ALL, GEMM_ALL, 4])
 def test_op_matches_reference(
-    dtype: torch.dtype, shape: tuple[int, ...], routing: str, gemm_min_rows: int
+    dtype: torch.dtype, shape: Shape, routing: str, gemm_min_rows: int
 ) -> None:
     case = moe_case(*shape, dtype, routing, seed=sum(shape))
     expected = reference.fused_moe(*case.args())
