@@ -15,11 +15,14 @@ from typing import Any
 import numpy as np
 
 from corefleet.engine.models.arch import ArchConfig
+from corefleet.engine.models.gguf_moe import MOE_GGUF_ARCHITECTURES, moe_architecture, moe_fields
 
-# GGUF general.architecture -> the HF architecture our model code implements.
+# GGUF general.architecture -> the HF architecture our model code implements (a ``llama`` file
+# with experts is Mixtral: ``gguf_moe``).
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    **MOE_GGUF_ARCHITECTURES,
 }
 # Llama 3.1+ rope scaling is stored as a tensor of per-frequency divisors, not as metadata.
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
@@ -149,6 +152,9 @@ def read_gguf_arch_config(path: str) -> ArchConfig:
             raise ValueError(f"{path}: GGUF metadata {arch}.{key} is missing")
         return value
 
+    def optional(key: str) -> Any:
+        return gguf_value(reader, f"{arch}.{key}")
+
     hidden = int(meta("embedding_length"))
     heads = int(meta("attention.head_count"))
     kv_heads = meta("attention.head_count_kv", heads)
@@ -172,12 +178,19 @@ def read_gguf_arch_config(path: str) -> ArchConfig:
         if value is not None and int(value) not in eos_ids:
             eos_ids.append(int(value))
 
+    ffn_length, layers = int(meta("feed_forward_length")), int(meta("block_count"))
+    architecture = moe_architecture(arch, optional, list(tensors), path)
+    moe = (
+        {}
+        if architecture is None
+        else moe_fields(architecture, optional, set(tensors), layers, ffn_length, path)
+    )
     return ArchConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture=architecture or GGUF_ARCHITECTURES[arch],
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(meta("feed_forward_length")),
-        num_hidden_layers=int(meta("block_count")),
+        intermediate_size=ffn_length,
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=int(kv_heads),
         head_dim=head_dim,
@@ -191,6 +204,7 @@ def read_gguf_arch_config(path: str) -> ArchConfig:
         eos_token_ids=tuple(eos_ids),
         # Quantized blocks have no torch dtype; the engine picks one (see ModelConfig.dtype).
         torch_dtype=None,
+        **moe,
     )
 
 

@@ -13,7 +13,14 @@ checkpoint beyond the names:
   rotates the two halves of each head (NeoX style). Its converter therefore permutes the rows of
   ``q_proj``/``k_proj`` within each head: HF row ``h*d + i*(d/2) + j`` (half ``i``, index ``j``)
   is stored at row ``h*d + 2*j + i``. ``unpermute_rotary`` inverts that. Qwen2 is run with the
-  NeoX kernel by llama.cpp and stored unpermuted.
+  NeoX kernel by llama.cpp and stored unpermuted; so are Qwen2-MoE, Qwen3-MoE and OLMoE, while
+  Mixtral (a ``llama`` file with experts) is permuted like Llama (``gguf_moe``).
+
+Mixture-of-experts files store each layer's experts stacked in one 3-D tensor
+(``blk.N.ffn_gate_exps``, ...): they come out as one HF tensor per expert and projection
+(``model.layers.N.mlp.experts.{e}.gate_proj.weight``), always dequantized, since the quantized
+kernels take 2-D weights only; routers and the shared expert's gate are dequantized too
+(``gguf_moe.keeps_float``). A shared expert's gate stored 1-D comes out ``[1, H]``.
 """
 
 from __future__ import annotations
@@ -31,6 +38,12 @@ from corefleet.engine.models.gguf_metadata import (
     gguf_architecture,
     gguf_value,
     open_gguf,
+)
+from corefleet.engine.models.gguf_moe import (
+    SHARED_EXPERT_GATE,
+    keeps_float,
+    moe_hf_name,
+    stacked_expert,
 )
 from corefleet.kernels.gguf_quant import FORMATS, QuantFormat
 
@@ -58,14 +71,15 @@ _LAYER_NAMES = {
 
 
 def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name for a GGUF tensor name, or None if it has none."""
+    """The Hugging Face parameter name for a GGUF tensor name, or None if it has none (a
+    stacked expert tensor has many: ``_stacked_experts``)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
     # blk.{i}.{kind}.{weight|bias}
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    return None
+    return moe_hf_name(gguf_name)
 
 
 def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -87,16 +101,18 @@ def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def quantized_weight_formats(path: str) -> dict[str, QuantFormat]:
     """The HF name and block format of every weight that stays quantized when loaded so.
 
-    Those are the 2-D tensors whose GGUF type the kernels read; norms (F32), F16/BF16 tensors
-    and the quant types without kernels are dequantized instead.
+    Those are the 2-D tensors whose GGUF type the kernels read; norms (F32), F16/BF16 tensors,
+    the quant types without kernels and the experts, routers and shared-expert gates of an MoE
+    file (``gguf_moe.keeps_float``) are dequantized instead.
     """
     reader = open_gguf(path)
     formats: dict[str, QuantFormat] = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         fmt = FORMATS.get(int(tensor.tensor_type))
-        if name is not None and fmt is not None and len(tensor.shape) == 2:
-            formats[name] = fmt
+        if name is None or fmt is None or len(tensor.shape) != 2 or keeps_float(name):
+            continue
+        formats[name] = fmt
     return formats
 
 
@@ -129,6 +145,9 @@ def _generate_gguf_weights(
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS_TENSOR:
             continue  # folded into ArchConfig.rope_scaling
+        if stacked_expert(tensor.name) is not None:
+            yield from _stacked_experts(tensor, dtype)
+            continue
         name = hf_name(tensor.name)
         if name is None:
             raise ValueError(f"{path}: GGUF tensor {tensor.name!r} has no Llama counterpart")
@@ -136,12 +155,14 @@ def _generate_gguf_weights(
             weight = _read_blocks(path, tensor)
         else:
             weight = _dequantized(tensor, dtype)
-            if quantized and len(tensor.shape) == 2:
-                dequantized[tensor.tensor_type.name] += 1
+            if quantized and len(tensor.shape) == 2 and not keeps_float(name):
+                dequantized[tensor.tensor_type.name] += 1  # a format without a kernel
         if permuted and tensor.name.endswith((".attn_q.weight", ".attn_q.bias")):
             weight = unpermute_rotary(weight, heads)
         elif permuted and tensor.name.endswith((".attn_k.weight", ".attn_k.bias")):
             weight = unpermute_rotary(weight, kv_heads)
+        elif name.endswith(SHARED_EXPERT_GATE):
+            weight = weight.reshape(1, -1)  # llama.cpp keeps it [H]; the model's Linear is [1, H]
         yield name, weight
     for type_name, count in sorted(dequantized.items()):
         logger.warning(
@@ -154,6 +175,17 @@ def _generate_gguf_weights(
             type_name,
             ", ".join(sorted({f.name for f in FORMATS.values()})),
         )
+
+
+def _stacked_experts(tensor: Any, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """One layer's experts of one projection, ``[E, rows, cols]`` in the file, as one HF tensor
+    per expert (views of the dequantized whole, which the loader copies)."""
+    located = stacked_expert(tensor.name)
+    assert located is not None
+    layer, proj = located
+    weights = _dequantized(tensor, dtype)
+    for expert in range(weights.shape[0]):
+        yield f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight", weights[expert]
 
 
 def _dequantized(tensor: Any, dtype: torch.dtype) -> torch.Tensor:
