@@ -25,6 +25,7 @@ NON_DEFAULT: dict[str, object] = {
     "device": "cpu",
     "attention_backend": "torch",
     "distributed_executor_backend": NULL_EXECUTOR,
+    "enable_expert_parallel": True,
     "tensor_parallel_size": 2,
     "pipeline_parallel_size": 2,
 }

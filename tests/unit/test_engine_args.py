@@ -61,6 +61,7 @@ VLLM_FLAGS = {
     "--tensor-parallel-size",
     "--pipeline-parallel-size",
     "--distributed-executor-backend",
+    "--enable-expert-parallel",
     "--quantization",
     "--kv-cache-dtype",
 }
