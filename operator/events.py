@@ -22,6 +22,8 @@ The actions themselves post their own Events (`controller.RANK_EVENTS`): `RankCr
 | `CoordinatorUnavailable` | Warning | the coordinator Deployment lost its available pod |
 | `RolloutStarted` | Normal | ranks run an older spec: the rolling update begins |
 | `RolloutComplete` | Normal | the rolling update finished: every rank runs the current spec |
+| `ExpertParallelGroupRestarting` | Warning | an expert-parallel group lost a rank: all restart |
+| `ExpertParallelGroupReady` | Normal | that group is whole again: every rank is Ready |
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 NO_POD = "pod not created yet"  # status.py's message for a rank without a pod
+# status.py's Ready reason while an expert-parallel group restarts after losing a rank.
+GROUP_RESTARTING = "ExpertParallelGroupRestarting"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,10 +123,24 @@ def _coordinator_events(
     ]
 
 
+def _group_events(previous: Mapping[str, Any], current: Mapping[str, Any]) -> list[EngineEvent]:
+    was = _condition(previous, "Ready").get("reason")
+    now = _condition(current, "Ready")
+    if now.get("reason") == GROUP_RESTARTING and was != GROUP_RESTARTING:
+        return [EngineEvent("Warning", GROUP_RESTARTING, str(now.get("message") or ""))]
+    if was == GROUP_RESTARTING and now.get("reason") != GROUP_RESTARTING:
+        ready, summary = current.get("readyReplicas"), current.get("rankSummary", "")
+        if summary == f"{ready}/{ready}":  # whole again (not left for another failure)
+            message = f"the expert-parallel group is whole again ({summary} ranks ready)"
+            return [EngineEvent("Normal", "ExpertParallelGroupReady", message)]
+    return []
+
+
 def transition_events(previous: Mapping[str, Any], current: Mapping[str, Any]) -> list[EngineEvent]:
     """Every Event for the change from the `previous` status to the `current` one."""
     return [
         *_coordinator_events(previous, current),
         *rank_events(previous.get("ranks") or [], current.get("ranks") or []),
         *_rollout_events(previous, current),
+        *_group_events(previous, current),
     ]

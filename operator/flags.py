@@ -11,6 +11,7 @@ from corefleet.operator.naming import (
     COORDINATOR_HTTP_PORT,
     COORDINATOR_SHUTDOWN_DELAY_SECONDS,
     GRACE_MARGIN_SECONDS,
+    dp_group_address,
 )
 from corefleet.operator.spec import ROUTING_FLAGS, EngineSpec
 
@@ -19,7 +20,8 @@ def engine_args(spec: EngineSpec) -> list[str]:
     """The engine-core flags every rank runs with (vLLM names; the rank comes separately).
 
     `--data-parallel-size` is left out on purpose: membership is dynamic, and a flag that changes
-    with every `kubectl scale` would change every rank's spec hash and roll all ranks.
+    with every `kubectl scale` would change every rank's spec hash and roll all ranks. An
+    expert-parallel group is the exception: see `group_args`.
     """
     m, e, s = spec.model, spec.engine, spec.shutdown
     args = [
@@ -58,6 +60,33 @@ def engine_args(spec: EngineSpec) -> list[str]:
     if s.mode == "Drain":
         args += ["--shutdown-timeout", str(s.effective_timeout_seconds)]
     return args
+
+
+def group_args(name: str, spec: EngineSpec) -> list[str]:
+    """The flags that make the ranks one expert-parallel group; none for an ordinary fleet.
+
+    The ranks of an MoE model with `enableExpertParallel` form one torch.distributed group that
+    meets at rank 0's stable DNS name (`dp_group_address`) and splits the experts over its
+    ranks. Unlike an ordinary fleet's membership, the group's size is part of every rank's
+    identity (which experts it holds, the world size of its collectives), so
+    `--data-parallel-size` is passed here on purpose: `kubectl scale` changes every rank's spec
+    hash and rolls the whole group, which cannot run at two sizes at once anyway. Left out
+    entirely without expert parallelism, so ordinary fleets keep their hashes (no roll).
+    """
+    if not spec.enable_expert_parallel:
+        return []
+    return [
+        "--data-parallel-size",
+        str(spec.data_parallel_size),
+        "--data-parallel-address",
+        dp_group_address(name),
+        "--enable-expert-parallel",
+    ]
+
+
+def rank_args(name: str, spec: EngineSpec) -> list[str]:
+    """Every flag of a rank but `--coordinator` and `--rank`: the engine's, then the group's."""
+    return [*engine_args(spec), *group_args(name, spec)]
 
 
 def coordinator_args(name: str, spec: EngineSpec) -> list[str]:

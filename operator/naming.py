@@ -26,6 +26,9 @@ COORDINATOR_HTTP_PORT = 8000
 HANDSHAKE_PORT = 5570
 INPUT_PORT = 5571
 OUTPUT_PORT = 5572
+# An expert-parallel group's rendezvous: rank 0 hosts the torch.distributed store here and every
+# rank of the group dials it (vLLM's data-parallel RPC port, the engine's local default too).
+DP_GROUP_PORT = 29550
 GRACE_MARGIN_SECONDS = 15  # exit, flush logs and close sockets after the drain timeout
 # A coordinator told to stop serves on, not ready, this long (within the margin above), while
 # the Service's endpoints drop it: a rolling update of coordinators then fails no request.
@@ -45,6 +48,16 @@ class Owner:
 def engine_pod_name(name: str, rank: int) -> str:
     """`<name>-engine-<rank>`: rank pods have fixed names, one per rank."""
     return f"{name}-engine-{rank}"
+
+
+def dp_group_address(name: str) -> str:
+    """`<name>-engine-0.<name>-engine:29550`: rank 0's stable DNS name, the group's rendezvous.
+
+    The headless Service `<name>-engine` (the pods' subdomain) publishes not-ready addresses, so
+    the name resolves while rank 0 loads, before any rank is Ready; it names whichever pod holds
+    rank 0 now, so a restarted group meets at its new rank 0.
+    """
+    return f"{engine_pod_name(name, 0)}.{engine_group_name(name)}:{DP_GROUP_PORT}"
 
 
 def coordinator_name(name: str) -> str:

@@ -23,6 +23,19 @@ Rules, in the order they are applied:
    rollout for at most progressDeadlineSeconds (the escape hatch: a crash-looping rank cannot
    deadlock a rollout). Outdated ranks that are not Ready anyway are replaced at once: they serve
    nothing, and a fixed spec must be able to replace a broken one.
+
+An expert-parallel group (spec.enableExpertParallel) lives and dies whole: its ranks form one
+torch.distributed group, and a rank whose peer is gone fails its next collective and exits (the
+kubelet restarts it in place; the operator only recreates missing and finished pods, rules 3-4,
+as for any fleet). So three rules differ for it:
+
+4. While a pod of an older spec still runs or drains, no rank is created: a new rank would dial
+   the old group's rank 0 (its DNS name is the same) instead of waiting for the new one.
+5. Its ranks are guarded from autoscalers also while Ready: moving one rank for cost would stop
+   the whole group (node drains still may: see `resources.build_pod_disruption_budget`).
+6. Every outdated rank is replaced at once: one rank of a new spec cannot join a group of the old
+   one (its size is in every rank's flags, so a scale rolls the group too), and deleting them
+   together sends SIGTERM to the whole group, which drains together.
 """
 
 from __future__ import annotations
@@ -194,8 +207,8 @@ def plan(
         owner.name, live, size, observed.replacements, now, policy
     )
     actions += replaced
-    actions += _create_missing(owner, spec, observed.pods)
-    actions += _guard_loading(owner.name, active)
+    actions += _create_missing(owner, spec, observed.pods, want)
+    actions += _guard_loading(owner.name, active, spec.enable_expert_parallel)
     rollout = _rolling_update(owner.name, spec, live, active, want, now)
     actions += rollout.actions
     return Plan(
@@ -263,8 +276,18 @@ def _replace_failed(
     return actions, replacements
 
 
-def _create_missing(owner: Owner, spec: EngineSpec, pods: Mapping[int, podlib.Pod]) -> list[Action]:
-    """Rule 4: create the ranks below dataParallelSize that have no pod, terminating or not."""
+def _create_missing(
+    owner: Owner, spec: EngineSpec, pods: Mapping[int, podlib.Pod], want: str
+) -> list[Action]:
+    """Rule 4: create the ranks below dataParallelSize that have no pod, terminating or not.
+
+    For an expert-parallel group, none while a pod of another spec hash still runs or drains
+    (a finished one never runs again): the group re-forms from new pods only.
+    """
+    if spec.enable_expert_parallel and any(
+        podlib.pod_hash(p) != want and not podlib.is_finished(p) for p in pods.values()
+    ):
+        return []
     return [
         Action(
             "create",
@@ -279,15 +302,18 @@ def _create_missing(owner: Owner, spec: EngineSpec, pods: Mapping[int, podlib.Po
     ]
 
 
-def _guard_loading(engine: str, active: Mapping[int, podlib.Pod]) -> list[Action]:
-    """Rule 5: guard each active rank from autoscaler disruption exactly while it is not Ready."""
+def _guard_loading(engine: str, active: Mapping[int, podlib.Pod], group: bool) -> list[Action]:
+    """Rule 5: guard each active rank from autoscaler disruption exactly while it is not Ready;
+    each rank of an expert-parallel ``group`` always."""
     actions = []
     for rank, pod in sorted(active.items()):
         ready = podlib.is_ready(pod)
+        wanted = group or not ready
         guarded = (pod.get("metadata", {}).get("annotations") or {}).get(DO_NOT_DISRUPT) == "true"
-        if ready == guarded:
+        if wanted != guarded:
             name = engine_pod_name(engine, rank)
-            actions.append(_guard(name, not ready, "RankReady" if guarded else "LoadGuard"))
+            reason = "RankReady" if guarded else "LoadGuard" if not ready else "GroupGuard"
+            actions.append(_guard(name, wanted, reason))
     return actions
 
 
@@ -311,7 +337,8 @@ def _rolling_update(
     """Rule 6: replace the ranks of an older spec (pod hash other than ``want``).
 
     The highest outdated rank goes once no rank is missing and every current-spec rank is Ready
-    or past its progress deadline; outdated ranks that are not Ready all go at once.
+    or past its progress deadline; outdated ranks that are not Ready all go at once. Every
+    outdated rank of an expert-parallel group goes at once.
     """
     current = {r: p for r, p in active.items() if podlib.pod_hash(p) == want}
     unready = [r for r, p in current.items() if not podlib.is_ready(p)]
@@ -322,7 +349,10 @@ def _rolling_update(
     waiting = missing + [r for r in unready if r not in late]
     outdated = sorted((r for r in active if r not in current), reverse=True)
     broken = [r for r in outdated if not podlib.is_ready(active[r])]
-    replace = broken or (outdated[:1] if not waiting else [])
+    group = spec.enable_expert_parallel
+    # A group's outdated ranks all go at once: it waits on nobody.
+    replace = outdated if group else broken or (outdated[:1] if not waiting else [])
+    why = "with its whole expert-parallel group " if group else ""
     actions = [
         Action(
             "delete",
@@ -330,9 +360,10 @@ def _rolling_update(
             engine_pod_name(engine, rank),
             None,
             "RankReplaced",
-            f"rank {rank} replaced by the rolling update",
+            f"rank {rank} replaced {why}by the rolling update",
         )
         for rank in replace
     ]
-    waiting_for = min(waiting) if waiting and outdated and not broken else None
+    gated = waiting and outdated and not broken and not group
+    waiting_for = min(waiting) if gated else None
     return _Rollout(actions, waiting_for, late)

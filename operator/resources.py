@@ -6,7 +6,7 @@ them with golden manifests. Children of an engine named `NAME`:
 
     NAME-engine-<r>      Pod per data-parallel rank r     corefleet engine-core --rank r
     NAME-engine          headless Service for the rank pods (stable DNS, health port)
-    NAME-engine          PodDisruptionBudget, maxUnavailable 1
+    NAME-engine          PodDisruptionBudget, maxUnavailable 1 (100% for an expert-parallel group)
     NAME-engine-args     ConfigMap: the engine-core flags every rank runs with
     NAME-curve           Secret: CURVE key pairs, generated once, never rewritten
     NAME-coordinator...  the coordinators' Deployment, Services, NetworkPolicy, PDB and HPA
@@ -28,7 +28,7 @@ from corefleet.operator.coordinator_resources import (
     coordinator_address,
 )
 from corefleet.operator.curve import CurveKeys
-from corefleet.operator.flags import engine_args, termination_grace_seconds
+from corefleet.operator.flags import rank_args, termination_grace_seconds
 from corefleet.operator.manifest import (
     child_meta,
     model_mounts,
@@ -38,6 +38,7 @@ from corefleet.operator.manifest import (
     secret_env,
 )
 from corefleet.operator.naming import (
+    DP_GROUP_PORT,
     ENGINE_HEALTH_PORT,
     RANK_LABEL,
     Owner,
@@ -60,6 +61,18 @@ def _cpu_request_env() -> dict[str, Any]:
     }
 
 
+def _group_ports(spec: EngineSpec | None, key: str) -> list[dict[str, Any]]:
+    """The expert-parallel group's rendezvous port (rank 0 serves it), as a container port
+    (`key` containerPort) or a Service port (`key` port); none for an ordinary fleet, whose
+    pods and Service then stay as they were (no roll, no patch)."""
+    if spec is None or not spec.enable_expert_parallel:
+        return []
+    port: dict[str, Any] = {"name": "dp-group", key: DP_GROUP_PORT, "protocol": "TCP"}
+    if key == "port":
+        port["targetPort"] = "dp-group"
+    return [port]
+
+
 def engine_pod_template(name: str, spec: EngineSpec) -> dict[str, Any]:
     """The rank-independent part of every rank pod's spec; its hash is the pods' spec hash."""
     secret = curve_secret_name(name)
@@ -73,7 +86,7 @@ def engine_pod_template(name: str, spec: EngineSpec) -> dict[str, Any]:
             "engine-core",
             "--coordinator",
             coordinator_address(name),
-            *engine_args(spec),
+            *rank_args(name, spec),
         ],
         "env": [
             *pod_env(),
@@ -83,7 +96,10 @@ def engine_pod_template(name: str, spec: EngineSpec) -> dict[str, Any]:
             secret_env("COREFLEET_CURVE_SECRET_KEY", secret, "client-secret"),
             *[dict(e) for e in spec.env],
         ],
-        "ports": [{"name": "health", "containerPort": ENGINE_HEALTH_PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": "health", "containerPort": ENGINE_HEALTH_PORT, "protocol": "TCP"},
+            *_group_ports(spec, "containerPort"),
+        ],
         "readinessProbe": probe("/ready", "health", 5, 3),
         "livenessProbe": probe("/health", "health", 10, 6),
         "resources": dict(spec.resources or {}),
@@ -113,8 +129,13 @@ def build_engine_pod(owner: Owner, spec: EngineSpec, rank: int) -> dict[str, Any
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
-def build_engine_service(owner: Owner) -> dict[str, Any]:
-    """Headless Service: `<pod>.<name>-engine` DNS for each rank, also while it is not ready."""
+def build_engine_service(owner: Owner, spec: EngineSpec | None = None) -> dict[str, Any]:
+    """Headless Service: `<pod>.<name>-engine` DNS for each rank, also while it is not ready.
+
+    With an expert-parallel `spec` it also lists the group's rendezvous port: the group meets at
+    `<name>-engine-0.<name>-engine`, which must resolve while rank 0 still loads (hence
+    `publishNotReadyAddresses`, which every engine has anyway).
+    """
     body = {
         "clusterIP": "None",
         "publishNotReadyAddresses": True,
@@ -125,7 +146,8 @@ def build_engine_service(owner: Owner) -> dict[str, Any]:
                 "port": ENGINE_HEALTH_PORT,
                 "targetPort": "health",
                 "protocol": "TCP",
-            }
+            },
+            *_group_ports(spec, "port"),
         ],
     }
     meta = child_meta(owner, engine_group_name(owner.name), "engine", body)
@@ -134,7 +156,7 @@ def build_engine_service(owner: Owner) -> dict[str, Any]:
 
 def build_args_configmap(owner: Owner, spec: EngineSpec) -> dict[str, Any]:
     """The engine flags, readable by people and tools (`kubectl get cm NAME-engine-args`)."""
-    args = engine_args(spec)
+    args = rank_args(owner.name, spec)
     data = {
         "args.json": json.dumps(args),
         "args": shlex.join(args),
@@ -144,9 +166,22 @@ def build_args_configmap(owner: Owner, spec: EngineSpec) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
 
 
-def build_pod_disruption_budget(owner: Owner) -> dict[str, Any]:
-    """At most one rank voluntarily disrupted at a time (node drains, upgrades)."""
-    body = {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner.name, "engine")}}
+def build_pod_disruption_budget(owner: Owner, spec: EngineSpec | None = None) -> dict[str, Any]:
+    """At most one rank voluntarily disrupted at a time (node drains, upgrades).
+
+    Not so for an expert-parallel `spec`: evicting any one rank of the group stops the whole
+    group (the others' collectives need it; they drain and restart with it), so a budget of one
+    would only serialize a node drain into one whole-group restart per rank on the node, each a
+    full reload, with evictions held while the group reloads. `100%` lets a drain evict all the
+    group's ranks on the node at once: one restart per drain. Autoscalers, which evict for cost
+    rather than need, are kept off the group's ranks by their annotations instead (reconcile
+    rule 5). The budget stays an object, so turning expert parallelism on or off patches it.
+    """
+    expert_parallel = spec is not None and spec.enable_expert_parallel
+    body = {
+        "maxUnavailable": "100%" if expert_parallel else 1,
+        "selector": {"matchLabels": selector_labels(owner.name, "engine")},
+    }
     meta = child_meta(owner, engine_group_name(owner.name), "engine", body)
     return {
         "apiVersion": "policy/v1",
@@ -177,8 +212,8 @@ def build_children(
     """Every child except the rank pods; the Secret only when `keys` is given."""
     children = [
         build_args_configmap(owner, spec),
-        build_engine_service(owner),
-        build_pod_disruption_budget(owner),
+        build_engine_service(owner, spec),
+        build_pod_disruption_budget(owner, spec),
         *build_coordinator_children(owner, spec),
     ]
     if keys is not None:

@@ -131,6 +131,9 @@ class EngineSpec:
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # The ranks form one torch.distributed group whose MoE layers split the experts: the group's
+    # size is then part of every rank's command line (a scale rolls the whole group).
+    enable_expert_parallel: bool = False
     engine: EngineOptions = EngineOptions()
     shutdown: ShutdownSpec = ShutdownSpec()
     coordinator: CoordinatorSpec = CoordinatorSpec()
@@ -325,6 +328,15 @@ def parse_spec(spec: Mapping[str, Any]) -> EngineSpec:
             f"more than the {MAX_TENSOR_PARALLEL} devices of one node"
         )
     _check_gpus(_obj(spec.get("resources"), "spec.resources"), devices)
+    expert_parallel = _bool(spec, "enableExpertParallel", "spec", False)
+    if expert_parallel and devices != 1:
+        # The engine runs an MoE group's model in its own process: a rank of the group has no
+        # workers to split the model over (the CRD's CEL rule says the same).
+        raise InvalidSpec(
+            "spec.enableExpertParallel needs tensorParallelSize x pipelineParallelSize == 1 "
+            f"(got {tensor_parallel_size} x {pipeline_parallel_size}): the experts are split "
+            "over the data-parallel ranks, each running the model in one process"
+        )
     return EngineSpec(
         model=model,
         image=image,
@@ -339,6 +351,7 @@ def parse_spec(spec: Mapping[str, Any]) -> EngineSpec:
         data_parallel_size=_int(spec, "dataParallelSize", "spec", 1, 0, MAX_RANKS),
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
+        enable_expert_parallel=expert_parallel,
         engine=_engine(_obj(spec.get("engine"), "spec.engine"), model),
         shutdown=_shutdown(_obj(spec.get("shutdown"), "spec.shutdown")),
         coordinator=_coordinator(_obj(spec.get("coordinator"), "spec.coordinator")),

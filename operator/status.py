@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from corefleet.operator import pods as podlib
-from corefleet.operator.events import NO_POD
+from corefleet.operator.events import GROUP_RESTARTING, NO_POD
 from corefleet.operator.naming import Owner, endpoint, engine_pod_name, rank_selector
 from corefleet.operator.reconcile import Observed, Plan
 from corefleet.operator.spec import EngineSpec
@@ -144,8 +144,48 @@ def _progressing(
     return Condition("Progressing", "False", "Complete", "all ranks run the current spec")
 
 
+def _group_restarting(
+    spec: EngineSpec,
+    ranks: Sequence[Mapping[str, Any]],
+    ready: int,
+    previous: Mapping[str, Any],
+) -> Condition | None:
+    """Ready=False/ExpertParallelGroupRestarting while an expert-parallel group is not whole.
+
+    One rank lost (its process died, its pod was evicted or vanished) stops the whole group:
+    the others fail their next collective, exit and are restarted by the kubelet, and the group
+    re-forms once every rank is back at the rendezvous. It starts with a rank of the current
+    spec that is not Ready after having been Ready (in the previous status) or that restarted
+    in place, and lasts, through the previous status's reason, until every rank is Ready. A
+    rolling update (some rank of an older spec) restarts the group on purpose: Progressing says
+    RollingUpdate then, and Ready keeps its ordinary reasons.
+    """
+    size = spec.data_parallel_size
+    if not spec.enable_expert_parallel or size < 2 or ready >= size:
+        return None
+    if any(e.get("updated") is False for e in ranks):
+        return None
+    was_ready = {e.get("rank") for e in previous.get("ranks") or () if e.get("stage") == "Ready"}
+    down = [e for e in ranks if e["rank"] < size and e["stage"] != "Ready"]
+    lost = [e for e in down if e["reason"] == "Restarted" or e["rank"] in was_ready]
+    if not lost and _reason(previous, "Ready") != GROUP_RESTARTING:
+        return None  # a group that is still forming for the first time
+    return Condition(
+        "Ready",
+        "False",
+        GROUP_RESTARTING,
+        f"ranks {[e['rank'] for e in down]} of the expert-parallel group are not ready "
+        f"({ready}/{size} ready): the group's {size} ranks restart together, and the "
+        "coordinator migrates their streams once the group is back",
+    )
+
+
 def _ready(
-    spec: EngineSpec, ranks: Sequence[Mapping[str, Any]], ready: int, ctx: Context
+    spec: EngineSpec,
+    ranks: Sequence[Mapping[str, Any]],
+    ready: int,
+    ctx: Context,
+    previous: Mapping[str, Any],
 ) -> Condition:
     size = spec.data_parallel_size
     failed = [e["rank"] for e in ranks if e["stage"] == "Failed"]
@@ -153,6 +193,11 @@ def _ready(
         return Condition("Ready", "False", "RankFailed", f"ranks {failed} failed")
     if size == 0:
         return Condition("Ready", "False", "ScaledToZero", "dataParallelSize is 0")
+    # Before the coordinator's reason: with the whole group down no rank is ready, so the
+    # coordinators turn unready too, which is the effect, not the cause.
+    group = _group_restarting(spec, ranks, ready, previous)
+    if group is not None:
+        return group
     if not ctx.coordinator_ready:
         return Condition(
             "Ready", "False", "CoordinatorUnavailable", "no coordinator pod is available"
@@ -212,7 +257,7 @@ def compute_status(
         if r < size and not podlib.is_terminating(p) and podlib.pod_hash(p) == plan.desired_hash
     )
     conditions = [
-        _ready(spec, ranks, ready, ctx),
+        _ready(spec, ranks, ready, ctx, previous),
         _progressing(spec, ranks, plan, _reason(previous, "Progressing") == "RollingUpdate"),
         _degraded(ranks, plan, ctx),
     ]

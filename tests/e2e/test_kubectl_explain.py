@@ -24,6 +24,7 @@ WIDE_COLUMNS = [
     "DP",
     "TP",
     "PP",
+    "EP",
     "UP-TO-DATE",
     "ROUTING",
     "COORDINATOR",
@@ -54,6 +55,7 @@ def test_get_wide_shows_the_parallel_layout_and_routing(api_server: ApiServer) -
     assert list(wide) == DEFAULT_COLUMNS + WIDE_COLUMNS
     assert wide["DP"] == str(example["dataParallelSize"])
     assert wide["TP"] == wide["PP"] == "1"  # the schema's defaults
+    assert wide["EP"] == "false"
     assert wide["UP-TO-DATE"] == "2" and wide["COORDINATOR"] == "true"
     assert wide["COORDINATORS"] == "1/1"
     assert wide["ROUTING"] == (example.get("coordinator") or {}).get("routing", "LeastLoaded")

@@ -27,6 +27,7 @@ EXTRAS = [
     *({"coordinator": {"toolCallParser": name}} for name in TOOL_CALL_PARSERS),
     {"tensorParallelSize": 2},
     {"tensorParallelSize": 2, "pipelineParallelSize": 2},
+    {"enableExpertParallel": True},
 ]
 
 
@@ -38,6 +39,9 @@ def test_rank_and_coordinator_commands_parse(extra: dict[str, object]) -> None:
     assert rank.rank == 1 and rank.model == the_spec.model.path
     assert rank.tensor_parallel_size == the_spec.tensor_parallel_size
     assert rank.pipeline_parallel_size == the_spec.pipeline_parallel_size
+    if the_spec.enable_expert_parallel:  # one group: its size and rank 0's rendezvous
+        assert rank.enable_expert_parallel is True and rank.data_parallel_size == 2
+        assert rank.data_parallel_address == "x-engine-0.x-engine:29550"
     coordinator = build_parser().parse_args(coordinator_args("x", the_spec))
     assert coordinator.block_size == the_spec.engine.block_size
     assert coordinator.shutdown_timeout == the_spec.shutdown.effective_timeout_seconds

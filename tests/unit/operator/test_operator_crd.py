@@ -86,6 +86,14 @@ VALID = {
         coordinator={"autoscaling": {"minReplicas": 4, "maxReplicas": 4}}
     ),
     "scaled to zero": manifest(dataParallelSize=0),
+    "expert-parallel group": manifest(
+        enableExpertParallel=True,
+        dataParallelSize=4,
+        resources={"limits": {"nvidia.com/gpu": 1}},
+    ),
+    "expert-parallel group, explicit sizes of one": manifest(
+        enableExpertParallel=True, tensorParallelSize=1, pipelineParallelSize=1
+    ),
     "image volume, path at the mount": manifest(
         model={
             "path": "/weights",
@@ -111,6 +119,15 @@ INVALID = {  # name -> (manifest, a fragment of the refusal)
         manifest(tensorParallelSize=4, pipelineParallelSize=4),
         "at most 8",
     ),
+    "expert parallel with tensor parallelism": (
+        manifest(enableExpertParallel=True, tensorParallelSize=2),
+        "enableExpertParallel needs tensorParallelSize x pipelineParallelSize == 1",
+    ),
+    "expert parallel with pipeline stages": (
+        manifest(enableExpertParallel=True, pipelineParallelSize=2),
+        "enableExpertParallel needs tensorParallelSize x pipelineParallelSize == 1",
+    ),
+    "expert parallel as a string": (manifest(enableExpertParallel="true"), "is not of type"),
     "unknown dtype": (manifest(model={"path": "/m", "dtype": "int8"}), "is not one of"),
     "odd block size": (manifest(engine={"blockSize": 12}), "is not one of"),
     "zero memory share": (manifest(engine={"gpuMemoryUtilization": 0}), "less than or equal"),
@@ -217,6 +234,8 @@ def test_invalid_manifests_are_refused(name):
 
 CEL_ONLY = [
     "tensor x pipeline beyond a node",
+    "expert parallel with tensor parallelism",
+    "expert parallel with pipeline stages",
     "drain timeout with Abort",
     "batch below model length",
     "batch below max seqs",
@@ -230,6 +249,7 @@ CEL_ONLY = [
 # replica count of 2**31 must end as a Degraded engine, never as a Deployment that asks for it.
 SCHEMA_MIRRORED = [
     "unknown tool call parser",
+    "expert parallel as a string",
     "tensor parallel beyond a node",
     "no coordinator",
     "absurd coordinator count",
@@ -322,6 +342,7 @@ def test_scale_status_and_printer_columns():
         "DP",
         "TP",
         "PP",
+        "EP",
         "Up-To-Date",
         "Routing",
         "Coordinator",
@@ -383,3 +404,26 @@ def test_a_gpu_count_follows_tensor_times_pipeline_parallelism():
     assert (spec.tensor_parallel_size, spec.pipeline_parallel_size) == (2, 2)
     with pytest.raises(InvalidSpec, match="runs 4 workers"):
         parse_spec({**BASE["spec"], **layout, "resources": {"limits": {"nvidia.com/gpu": 2}}})
+
+
+def test_expert_parallelism_is_off_by_default_and_refuses_split_ranks_by_name():
+    assert defaulted(BASE)["spec"]["enableExpertParallel"] is False
+    assert parse_spec(BASE["spec"]).enable_expert_parallel is False
+    group = parse_spec({**BASE["spec"], "enableExpertParallel": True, "dataParallelSize": 4})
+    assert group.enable_expert_parallel and group.data_parallel_size == 4
+    for layout in ({"tensorParallelSize": 2}, {"pipelineParallelSize": 2}):
+        with pytest.raises(
+            InvalidSpec,
+            match=r"^spec\.enableExpertParallel needs tensorParallelSize x "
+            r"pipelineParallelSize == 1 \(got \d x \d\)",
+        ):
+            parse_spec({**BASE["spec"], "enableExpertParallel": True, **layout})
+    # The rank runs one process: a GPU count other than 1 is refused as for any such rank.
+    with pytest.raises(InvalidSpec, match="runs 1 workers"):
+        parse_spec(
+            {
+                **BASE["spec"],
+                "enableExpertParallel": True,
+                "resources": {"limits": {"nvidia.com/gpu": 2}},
+            }
+        )
