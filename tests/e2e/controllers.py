@@ -10,7 +10,9 @@ No ReplicaSets: the pods belong to the Deployment directly.
 `hosts_entries` is cluster DNS as `/etc/hosts` lines: every Service name form
 (`svc`, `svc.ns`, `svc.ns.svc`, `svc.ns.svc.cluster.local`) maps to the addresses of the pods
 behind it (ready ones, or all running ones with `publishNotReadyAddresses`; never a terminating
-pod), and a headless Service's pods also get `<hostname>.<svc>.<ns>.svc.cluster.local`. There is
+pod), and a headless Service's pods also get `<hostname>.<svc>` in each of those forms (an
+expert-parallel group meets at `<name>-engine-0.<name>-engine`, which cluster DNS resolves
+through the pod's search path; these files have no search path, so every form is listed). There is
 no virtual IP and no port translation: a name resolves to pod addresses and clients use the
 container port (the operator's Services use the same numbers for both).
 """
@@ -216,7 +218,7 @@ def hosts_entries(services: Sequence[Obj], pods: Sequence[Obj]) -> list[tuple[st
             entries += [(ns, ip, n) for n in _names(name, ns)]
             hostname = (pod.get("spec") or {}).get("hostname")
             if headless and hostname and (pod.get("spec") or {}).get("subdomain") == name:
-                entries.append((ns, ip, f"{hostname}.{name}.{ns}.svc.cluster.local"))
+                entries += [(ns, ip, f"{hostname}.{n}") for n in _names(name, ns)]
     return entries
 
 

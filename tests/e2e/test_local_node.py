@@ -102,10 +102,13 @@ def test_pods_get_own_addresses_and_find_services_by_name(node: LocalCluster) ->
 def test_a_headless_service_name_resolves_to_every_pod_it_publishes(node: LocalCluster) -> None:
     # As cluster DNS does: a headless Service's name answers with every Ready pod's address, or
     # with every pod's under publishNotReadyAddresses (the operator's NAME-coordinators).
-    # Nothing listens on port 9: the probe never passes.
+    # Nothing listens on port 9: the probe never passes. "loading" has a hostname under the
+    # headless Service all-peers, as a rank pod under NAME-engine: `loading.all-peers` resolves
+    # to it while it is not Ready (an expert-parallel group's rendezvous is rank 0's name).
     never_ready = {"readinessProbe": {"httpGet": {"path": "/", "port": 9}, "periodSeconds": 1}}
-    for name, extra in (("ready", {}), ("loading", never_ready)):
-        pod = _pod(name, "exec sleep 600", labels={"app": "peer"}, container=extra)
+    named = {"hostname": "loading", "subdomain": "all-peers"}
+    for name, extra, host in (("ready", {}, {}), ("loading", never_ready, named)):
+        pod = _pod(name, "exec sleep 600", labels={"app": "peer"}, container=extra, **host)
         node.api.request("POST", PODS, pod, expect=201)
     for name, all_pods in (("all-peers", True), ("ready-peers", False)):
         spec = {"clusterIP": "None", "selector": {"app": "peer"}, "ports": [{"port": 5570}]}
@@ -121,7 +124,8 @@ def test_a_headless_service_name_resolves_to_every_pod_it_publishes(node: LocalC
         "    try: return sorted({a[4][0] for a in socket.getaddrinfo(n, 5570)})\n"
         "    except OSError: return []\n"
         "while True:\n"
-        "    print('all', ips('all-peers'), 'ready', ips('ready-peers'), flush=True)\n"
+        "    print('all', ips('all-peers'), 'ready', ips('ready-peers'),\n"
+        "          'host', ips('loading.all-peers'), flush=True)\n"
         "    time.sleep(0.2)\n"
     )
     node.api.request(
@@ -133,7 +137,8 @@ def test_a_headless_service_name_resolves_to_every_pod_it_publishes(node: LocalC
         "IPs",
     )
     both = sorted([_status(node, "ready")["podIP"], _status(node, "loading")["podIP"]])
-    want = f"all {both} ready {[_status(node, 'ready')['podIP']]}"
+    loading = [_status(node, "loading")["podIP"]]
+    want = f"all {both} ready {[_status(node, 'ready')['podIP']]} host {loading}"
     assert node.kubelet is not None
     wait_for(lambda: want in node.kubelet.log("default", "client"), 30, want)  # type: ignore[union-attr]
 
