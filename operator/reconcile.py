@@ -29,8 +29,9 @@ torch.distributed group, and a rank whose peer is gone fails its next collective
 kubelet restarts it in place; the operator only recreates missing and finished pods, rules 3-4,
 as for any fleet). So three rules differ for it:
 
-4. While a pod of an older spec still runs or drains, no rank is created: a new rank would dial
-   the old group's rank 0 (its DNS name is the same) instead of waiting for the new one.
+4. While rank 0's pod of an older spec still runs or drains, no rank is created: a new rank
+   would dial the old group's rank 0 (the DNS name is the same, and it still resolves while that
+   pod drains) instead of waiting for the new one.
 5. Its ranks are guarded from autoscalers also while Ready: moving one rank for cost would stop
    the whole group (node drains still may: see `resources.build_pod_disruption_budget`).
 6. Every outdated rank is replaced at once: one rank of a new spec cannot join a group of the old
@@ -281,11 +282,16 @@ def _create_missing(
 ) -> list[Action]:
     """Rule 4: create the ranks below dataParallelSize that have no pod, terminating or not.
 
-    For an expert-parallel group, none while a pod of another spec hash still runs or drains
-    (a finished one never runs again): the group re-forms from new pods only.
+    For an expert-parallel group, none while rank 0's pod of another spec hash still runs or
+    drains (a finished one never runs again): the new ranks would meet at it. Other old pods
+    hold nobody back (only rank 0's name is dialled); each holds its own rank's name anyway.
     """
-    if spec.enable_expert_parallel and any(
-        podlib.pod_hash(p) != want and not podlib.is_finished(p) for p in pods.values()
+    old_zero = pods.get(0)
+    if (
+        spec.enable_expert_parallel
+        and old_zero is not None
+        and podlib.pod_hash(old_zero) != want
+        and not podlib.is_finished(old_zero)
     ):
         return []
     return [

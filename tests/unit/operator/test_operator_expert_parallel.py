@@ -154,6 +154,12 @@ def test_a_scale_up_replaces_the_group_and_creates_only_once_the_old_pods_are_go
     assert rank_actions(group(4), two) == [("delete", "engine-1"), ("delete", "engine-0")]
     draining = [member(r, ranks=2, terminating=True) for r in range(2)]
     assert rank_actions(group(4), draining) == []  # ranks 2 and 3 would dial the old rank 0
+    # Once the old rank 0 is gone, the new group starts; rank 1 waits for its own old pod.
+    assert rank_actions(group(4), draining[1:]) == [
+        ("create", "engine-0"),
+        ("create", "engine-2"),
+        ("create", "engine-3"),
+    ]
     assert rank_actions(group(4), []) == [("create", f"engine-{r}") for r in range(4)]
     # An ordinary fleet just adds ranks.
     assert rank_actions(spec(4), [pod(0), pod(1)]) == [
@@ -172,11 +178,14 @@ def test_a_scale_down_stops_the_whole_group():
     ]
 
 
-def test_a_finished_old_pod_does_not_hold_the_new_group():
+def test_a_finished_old_rank_zero_does_not_hold_the_new_group():
     # It never runs again, so it cannot answer for rank 0; rule 3 deletes it (with back-off).
-    finished = member(2, hash=OLD, phase="Failed", ready=False, age=5)
-    actions = rank_actions(group(3), [finished])
-    assert ("create", "engine-0") in actions and ("create", "engine-1") in actions
+    finished = member(0, hash=OLD, phase="Failed", ready=False, age=5)
+    assert rank_actions(group(3), [finished]) == [
+        ("delete", "engine-0"),
+        ("create", "engine-1"),
+        ("create", "engine-2"),
+    ]
 
 
 def test_a_lost_rank_is_recreated_at_once_and_its_peers_are_left_to_the_kubelet():
