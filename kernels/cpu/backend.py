@@ -67,9 +67,10 @@ GGUF_LINEAR_MAX_ROWS = {torch.float32: 1024, torch.bfloat16: 32}
 # Q4_K, Q5_K, Q6_K.
 _GGUF_OP_TYPES = frozenset({2, 3, 8, 12, 13, 14})
 # Rows of one expert from which fused_moe runs its projections on torch's GEMM (oneDNN/MKL)
-# rather than streaming the expert's weights through its own tiles: measured about equal at
-# 128 rows in both dtypes, the tiles 1.2-2x faster below (benchmarks/README.md, "Fused MoE").
-FUSED_MOE_GEMM_MIN_ROWS = {torch.float32: 128, torch.bfloat16: 128}
+# rather than streaming the expert's weights through its own tiles: measured equal at 256 rows
+# in both dtypes, the tiles 1.1-1.2x faster at 128 and 1.9-2.2x at 16 (benchmarks/README.md,
+# "Fused MoE"). 256 is also the most the op streams.
+FUSED_MOE_GEMM_MIN_ROWS = {torch.float32: 256, torch.bfloat16: 256}
 _ROUTING_ID_DTYPES = (torch.int32, torch.int64)
 
 
