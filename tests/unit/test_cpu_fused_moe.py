@@ -43,7 +43,7 @@ def test_op_matches_reference(
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_all_tokens_on_one_expert(dtype: torch.dtype, top_k: int) -> None:
-    # 70 rows on one expert: beyond one streamed tile of rows, and on the GEMM path by default.
+    # 70 rows on one expert: many 3-row passes of a streamed tile, and the GEMM path from 64.
     case = moe_case(70, 48, 40, 4, top_k, dtype, "one_expert", seed=top_k)
     expected = reference.fused_moe(*case.args())
     for gemm_min_rows in (STREAM_ALL, GEMM_ALL, 64):

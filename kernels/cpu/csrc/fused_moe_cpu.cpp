@@ -25,21 +25,25 @@
 //   5. combine: per token, the float32 sum of weight * y over its slots in expert order,
 //               rounded once into out.
 //
-// Steps 3 and 4 take one of two paths per expert, by its row count n. An expert with
-// n >= gemm_min_rows (a prefill) is one ATen matmul per projection over its gathered block:
-// oneDNN/MKL's GEMM is what a compute-bound block should run on, and ATen parallelises it
-// itself (so these run one expert after another, outside our own pool). Experts with fewer rows
-// (every expert of a decode step) are memory bound: all of them together are one parallel
-// region of our own pool (parallel.h) over (expert, band of weight rows) tasks, each task
-// streaming its band of weights once through register tiles against all of the expert's rows.
-// The backend picks gemm_min_rows per dtype from measurements (cpu/backend.py).
+// Steps 3 and 4 take one of two paths per expert, by its row count n. Experts with
+// n < gemm_min_rows (every expert of a decode step, and a prefill's groups of up to a few hundred
+// rows) are all together one parallel region of our own pool (parallel.h) over (expert, band of
+// weight rows) tasks, each task streaming its band of weights once through register tiles
+// against all of the expert's rows: at a few rows the step is bound by the weights' bytes, read
+// here at a plain read's bandwidth, and up to ~256 rows the tiles are at least as fast as
+// torch's GEMM (measured, benchmarks/README.md "Fused MoE"). A larger group is one ATen
+// matmul per projection over its gathered block (oneDNN/MKL), which ATen parallelises itself:
+// those experts run one after another, outside our pool. The backend picks gemm_min_rows per
+// dtype (cpu/backend.py).
 //
 // Why the combine reads a per-slot buffer instead of each down-projection tile adding into the
 // output: tiles of different experts write the same tokens, so adding in place needs either
 // atomics (float adds in whatever order threads finish: results that change run to run) or an
-// ownership split of the output that the GEMM path cannot follow. y costs S x H values (a few
-// hundred KB for a decode step, ~1/100 of a prefill's time), and the combine then adds each
-// token's experts in ascending order, as the reference does, whatever the thread count.
+// ownership split of the output that the GEMM path cannot follow. y costs S x H values, written
+// once and read once (a few hundred KB for a decode step; 32 MB each way for a 512-token
+// float32 prefill of OLMoE's shape, estimated at under 1 % of its time), and the combine then
+// adds each token's experts in ascending order, as the reference does, whatever the thread
+// count.
 //
 // Numerics: float32 accumulation everywhere; rounding to x's dtype where the reference rounds
 // (the gate/up projection, silu(gate), its product with up, the down projection), so bfloat16
@@ -66,11 +70,11 @@
 namespace corefleet {
 namespace {
 
-constexpr int64_t kLanes = 16;        // floats per vector
-constexpr int kTileRows = 8;          // weight rows streamed together
-constexpr int64_t kMaxStreamRows = 256;  // expert rows the streaming path takes (gemm_min_rows - 1)
-constexpr int64_t kGateUpBand = 32;   // I columns per gate/up task (32 gate + 32 up weight rows)
-constexpr int64_t kDownBand = 64;     // H rows of w2 per down task
+constexpr int64_t kLanes = 16;           // floats per vector
+constexpr int kTileRows = 8;             // weight rows streamed together
+constexpr int64_t kMaxStreamRows = 256;  // the most rows of an expert the tiles take
+constexpr int64_t kGateUpBand = 32;      // I columns per gate/up task (32 gate + 32 up rows)
+constexpr int64_t kDownBand = 64;        // H rows of w2 per down task
 
 // ---- routing ---------------------------------------------------------------------------------
 
