@@ -16,6 +16,7 @@ from corefleet.engine.entrypoints.rank_cpus import add_rank_cpu_args
 from corefleet.engine.messages import SamplingParams
 from corefleet.engine.openai.limits import add_limit_args
 from corefleet.engine.openai.tool_options import add_tool_args
+from corefleet.engine.worker.dp_settings import DEFAULT_DP_ADDRESS
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +186,22 @@ def _engine_core_parser(sub: argparse._SubParsersAction) -> None:
     )
     core.add_argument("--rank", type=int, default=0, help="this data-parallel rank (0-65535)")
     core.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="ranks in the fleet's data-parallel group (default 1). With a mixture-of-experts "
+        "model and a size above 1, ranks 0 .. N-1 form one torch.distributed group and step "
+        "together in waves, as vLLM's; other models ignore it (their ranks are independent). "
+        "Needs --tensor-parallel-size and --pipeline-parallel-size 1",
+    )
+    core.add_argument(
+        "--data-parallel-address",
+        default=DEFAULT_DP_ADDRESS,
+        metavar="HOST:PORT",
+        help="where rank 0 hosts the group's rendezvous and the others reach it (a cluster: "
+        f"rank 0's pod; default {DEFAULT_DP_ADDRESS}, for one machine)",
+    )
+    core.add_argument(
         "--shutdown-mode",
         choices=["drain", "abort"],
         default="drain",
@@ -324,7 +341,15 @@ def _engine_core(args: argparse.Namespace) -> int:
     from corefleet.engine.engine_core.proc_config import EngineProcConfig
     from corefleet.engine.transport.discovery import parse_coordinators
     from corefleet.engine.transport.sockets import load_curve_keys
+    from corefleet.engine.worker.dp_settings import DPGroupSettings
 
+    data_parallel = DPGroupSettings(
+        size=args.data_parallel_size,
+        address=args.data_parallel_address,
+        collective_timeout_s=envs.dp_collective_timeout_s(),
+        formation_timeout_s=envs.dp_formation_timeout_s(),
+        peer_timeout_s=envs.dp_peer_timeout_s(),
+    )
     proc_config = EngineProcConfig(
         handshake_address=",".join(parse_coordinators(args.coordinator)),
         rank=args.rank,
@@ -336,6 +361,7 @@ def _engine_core(args: argparse.Namespace) -> int:
         parent_fd=args.parent_fd,
         health_host=args.health_host,
         health_port=args.health_port,
+        data_parallel=data_parallel,
     )
     return run_engine_core(engine_config_from_args(args), proc_config)
 

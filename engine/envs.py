@@ -118,3 +118,35 @@ def termination_log() -> str:
     show as its container's termination message (default ``/dev/termination-log``, the
     kubelet's; written only where that file exists)."""
     return os.environ.get("COREFLEET_TERMINATION_LOG") or "/dev/termination-log"
+
+
+def _positive_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}={raw!r} is not a number") from exc
+    if not value > 0:
+        raise ValueError(f"environment variable {name}={raw!r} must be positive")
+    return value
+
+
+def dp_collective_timeout_s() -> float:
+    """COREFLEET_DP_COLLECTIVE_TIMEOUT_S: how long a rank of an MoE group waits in a collective
+    for a peer that does not come (hung; a dead one fails it at once); then the rank exits
+    (default 300: a peer may be in a long step)."""
+    return _positive_float("COREFLEET_DP_COLLECTIVE_TIMEOUT_S", 300.0)
+
+
+def dp_formation_timeout_s() -> float:
+    """COREFLEET_DP_FORMATION_TIMEOUT_S: how long a rank of an MoE group waits for every rank to
+    join before it gives up and exits (default 600: pods may start minutes apart)."""
+    return _positive_float("COREFLEET_DP_FORMATION_TIMEOUT_S", 600.0)
+
+
+def dp_peer_timeout_s() -> float:
+    """COREFLEET_DP_PEER_TIMEOUT_S: silence after which a rank of an idle MoE group declares a
+    peer lost and exits so that the group forms again (default 15; peers beat every 0.5 s)."""
+    return _positive_float("COREFLEET_DP_PEER_TIMEOUT_S", 15.0)

@@ -9,12 +9,16 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import msgspec
 
 # Bumped whenever a message changes incompatibly; a HELLO with another version is refused.
 PROTOCOL_VERSION = 1
+
+# The largest data-parallel wave number: waves travel in int64 tensors (the group's
+# all-reduce), so a frame may not push a rank past what they hold.
+MAX_WAVE = 2**53
 
 # The first frame of the last message an engine sends on a fatal error; the second frame is
 # the rank (2 bytes, little endian), so a coordinator with many ranks knows which one died.
@@ -40,6 +44,7 @@ class RequestType(bytes, enum.Enum):
 
     ADD = b"\x00"
     ABORT = b"\x01"
+    START_DP_WAVE = b"\x02"  # coordinator -> the ranks of an MoE group: run wave N (vLLM's byte)
     UTILITY = b"\x03"
 
 
@@ -232,6 +237,18 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0
     cache_salt: str | None = None
     client_index: int = 0
+    # The data-parallel wave the sender believed current (vLLM's ADD ``request_wave``); only
+    # the ranks of an MoE group read it (``engine_core/waves.py``).
+    current_wave: int = 0
+
+
+class StartDPWave(msgspec.Struct, array_like=True, gc=False):
+    """Payload of START_DP_WAVE: the ranks of an MoE group run wave ``new_wave`` (idempotent:
+    a rank already running it, or past it, ignores it). ``exclude_rank`` (-1: none) already
+    runs it: the rank whose own start this relays."""
+
+    new_wave: Annotated[int, msgspec.Meta(ge=0, le=MAX_WAVE)]
+    exclude_rank: Annotated[int, msgspec.Meta(ge=-1, lt=1 << 16)] = -1
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):
@@ -289,8 +306,13 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     prefix_cache_hit_rate: float = 0.0  # cumulative hits / queries, 0..1
     draining: bool = False  # shutting down: send no new requests
-    step_counter: int = 0
+    step_counter: int = 0  # steps taken; in an MoE group, forward passes, dummy ones included
     exiting: bool = False  # the last message of a clean shutdown: the rank has left
+    # An MoE group's data-parallel wave (``engine_core/waves.py``): its number, whether this
+    # rank runs it, and the dummy forward passes it ran (cumulative) to keep the group in step.
+    current_wave: int = 0
+    wave_running: bool = False
+    dummy_steps: int = 0
 
 
 class ReadyResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -308,6 +330,8 @@ class ReadyResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     model_name: str
     pid: int = 0
     max_num_seqs: int = 0  # the most requests in one batch (0: an older rank did not say)
+    # Ranks 0 .. dp_size - 1 form one MoE group that steps in waves; 1: an independent rank.
+    dp_size: int = 1
 
 
 class Hello(msgspec.Struct, tag="hello", omit_defaults=True, gc=False):
@@ -362,6 +386,10 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     utility_output: UtilityOutput | None = None
     finished_requests: list[str] | None = None
     engine_stats: EngineStats | None = None
+    # MoE group waves, rank -> every coordinator: rank 0's "wave N ended, the group is idle"
+    # and a rank's "start wave N" (it got a request while the group was idle).
+    wave_complete: int | None = None
+    start_wave: int | None = None
 
     def __post_init__(self) -> None:
         if self.timestamp == 0.0:

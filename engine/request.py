@@ -65,6 +65,7 @@ class Request:
         client_index: int = 0,
         cache_salt: str | None = None,
         block_hasher: BlockHasher | None = None,
+        request_wave: int = 0,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -74,6 +75,7 @@ class Request:
         self.priority = priority
         self.client_index = client_index
         self.cache_salt = cache_salt
+        self.request_wave = request_wave  # the MoE group wave its sender believed current
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
 
@@ -127,6 +129,7 @@ class Request:
             client_index=req.client_index,
             cache_salt=req.cache_salt,
             block_hasher=block_hasher,
+            request_wave=req.current_wave,
         )
 
     @property

@@ -9,7 +9,9 @@
 - when a rank dies, each request it held is re-sent to another rank with its prompt plus the
   tokens generated so far and the remaining token budget, so the caller's stream simply
   continues; after ``max_migrations`` moves it ends with finish reason ``error`` instead;
-- with no rank accepting, a request waits up to ``wait_for_rank_s`` for one, then fails.
+- with no rank accepting, a request waits up to ``wait_for_rank_s`` for one, then fails;
+- the ranks of an MoE group take requests only while the whole group serves, and are woken
+  for each wave (``waves.py``): an ADD carries the wave, START_DP_WAVE wakes the others.
 
 Nothing here blocks: every rank interaction is a message; outputs arrive through the
 FleetServer's callbacks on the event loop.
@@ -32,6 +34,7 @@ import zmq
 from corefleet.engine.coordinator.membership import Membership, RankMember
 from corefleet.engine.coordinator.routing import NoRankAvailable, RankLoad, RoutingPolicy
 from corefleet.engine.coordinator.server import FleetServer
+from corefleet.engine.coordinator.waves import Wakeup, WaveTracker
 from corefleet.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -115,8 +118,10 @@ class FleetClient:
         self.server = server_factory(
             on_outputs=self._on_outputs,
             on_rank_dead=self._on_rank_dead,
+            on_waves=self._on_waves,
             **server_args,
         )
+        self.waves = WaveTracker(self.server.membership)
 
     @property
     def membership(self) -> Membership:
@@ -170,7 +175,8 @@ class FleetClient:
             stats = member.stats
             waiting = (stats.num_waiting_reqs if stats else 0) + self._bumps.get(member.rank, 0)
             running = stats.num_running_reqs if stats else 0
-            loads.append(RankLoad(member.rank, waiting, running, member.accepting))
+            accepting = self.waves.routable(member)  # an MoE group's ranks: all or none
+            loads.append(RankLoad(member.rank, waiting, running, accepting))
         return loads
 
     async def _dispatch(self, state: _InFlight) -> None:
@@ -195,12 +201,17 @@ class FleetClient:
                 continue
             state.rank = rank
             self._bumps[rank] = self._bumps.get(rank, 0) + 1
+            wave = self.waves.wave_for(rank)  # None: the rank is not in an MoE group
+            stamped = (
+                request if wave is None else msgspec.structs.replace(request, current_wave=wave)
+            )
             try:
-                await self.server.send(rank, RequestType.ADD, request)
+                await self.server.send(rank, RequestType.ADD, stamped)
             except zmq.ZMQError as exc:  # the rank vanished between the choice and the send
                 logger.info("rank %d unreachable (%s); routing elsewhere", rank, exc)
                 state.excluded.add(rank)
                 continue
+            self._wake(self.waves.on_routed(rank))
             return
 
     def _continuation(self, state: _InFlight) -> EngineCoreRequest:
@@ -241,7 +252,22 @@ class FleetClient:
                 self._bumps[rank] = max(0, self._bumps.get(rank, 0) - 1)
             state.queue.put_nowait(output)
 
+    def _on_waves(self, rank: int, outputs: EngineCoreOutputs) -> None:
+        if outputs.wave_complete is not None:
+            self.waves.on_wave_complete(outputs.wave_complete)
+        if outputs.start_wave is not None:
+            self._wake(self.waves.on_start_wave(rank, outputs.start_wave))
+        if outputs.engine_stats is not None:
+            self._wake(self.waves.on_stats(rank, outputs.engine_stats, time.monotonic()))
+
+    def _wake(self, wakeups: list[Wakeup]) -> None:
+        """Send START_DP_WAVE messages; one that cannot go (a rank reconnecting) is repeated
+        by the stats repair if it mattered."""
+        for rank, message in wakeups:
+            self.server.send_nowait(rank, RequestType.START_DP_WAVE, message)
+
     def _on_rank_dead(self, member: RankMember) -> None:
+        self.waves.on_rank_dead(member.rank)
         self.policy.forget_rank(member.rank)
         self._bumps.pop(member.rank, None)
         for state in self._requests.values():

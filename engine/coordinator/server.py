@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 OutputsCallback = Callable[[int, EngineCoreOutputs], None]
 DeathCallback = Callable[[RankMember], None]
+# (rank, its message carrying stats or a wave notice): the MoE groups' waves
+WavesCallback = Callable[[int, EngineCoreOutputs], None]
 _DECODE_ERRORS = (msgspec.MsgspecError, ValueError, TypeError)
 _OUTPUT_BATCH = 64  # output messages handled per turn of the event loop
 
@@ -62,9 +64,11 @@ class FleetServer:
         curve: CurveKeys | None = None,
         heartbeat_timeout_s: float = 10.0,
         watch_connections: bool = True,
+        on_waves: WavesCallback | None = None,
     ) -> None:
         """``watch_connections=False`` leaves death detection to the heartbeat alone (how it
-        was before; ``benchmarks/rank_death.py`` compares the two)."""
+        was before; ``benchmarks/rank_death.py`` compares the two). ``on_waves`` sees every
+        message with stats or a wave notice (``waves.py``)."""
         self.ctx = zmq.asyncio.Context()
         self.authenticator = start_authenticator(self.ctx, curve) if curve else None
         handshake_port, input_port, output_port = ports
@@ -97,6 +101,7 @@ class FleetServer:
         )
         self.on_outputs = on_outputs
         self.on_rank_dead = on_rank_dead
+        self.on_waves = on_waves
         self._encoder = MsgpackEncoder()
         self._handshake_decoder = msgspec.msgpack.Decoder(HandshakeMessage)
         self._ready_decoder = MsgpackDecoder(ReadyResponse)
@@ -128,6 +133,16 @@ class FleetServer:
             self._input_sender.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.Again:
             await self.inputs.send_multipart(frames, copy=False)
+
+    def send_nowait(self, rank: int, kind: RequestType, payload: Any) -> bool:
+        """Send one message now if the rank is connected; False if it was not (for hints that
+        may be lost, as wave wake-ups: they are repeated)."""
+        frames = [rank_identity(rank), kind.value, *self._encoder.encode(payload)]
+        try:
+            self._input_sender.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:
+            return False
+        return True
 
     def process_exited(self, rank: int, pid: int, how: str) -> None:
         """A local rank's process ended (``how``: its exit code or signal): dead at once."""
@@ -270,6 +285,12 @@ class FleetServer:
         self.membership.on_stats(rank, outputs.engine_stats, time.monotonic())
         if outputs.engine_stats is not None and outputs.engine_stats.exiting:
             self._dead(rank, "left (shut down)", clean=True)
+        if self.on_waves is not None and (
+            outputs.engine_stats is not None
+            or outputs.wave_complete is not None
+            or outputs.start_wave is not None
+        ):
+            self.on_waves(rank, outputs)
         if outputs.outputs or outputs.finished_requests or outputs.utility_output:
             self.on_outputs(rank, outputs)
 

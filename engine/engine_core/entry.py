@@ -10,6 +10,7 @@ from types import FrameType
 
 from corefleet.engine import envs
 from corefleet.engine.config import EngineConfig
+from corefleet.engine.engine_core.dp_proc import engine_class_for
 from corefleet.engine.engine_core.health import EngineState, HealthServer
 from corefleet.engine.engine_core.parent_watch import watch_parent
 from corefleet.engine.engine_core.proc import EngineCoreProc
@@ -76,7 +77,8 @@ def run_engine_core(config: EngineConfig, proc_config: EngineProcConfig) -> int:
             return 2
     try:
         try:
-            engine = EngineCoreProc(config, proc_config, health, clock)
+            # An MoE model with --data-parallel-size > 1: a DPEngineCoreProc (waves).
+            engine = engine_class_for(config, proc_config)(config, proc_config, health, clock)
         except Exception as exc:
             logger.exception("engine core rank %d failed to start", proc_config.rank)
             _write_termination_message(f"{type(exc).__name__}: {exc}")

@@ -32,6 +32,7 @@ from corefleet.engine.messages import (
     FinishReason,
     ReadyResponse,
     RequestType,
+    StartDPWave,
     UtilityCall,
     UtilityOutput,
 )
@@ -54,7 +55,7 @@ class EngineSignal(enum.Enum):
 
 
 # What the busy loop receives: (kind, payload); payload is a Request (ADD), a list of ids
-# (ABORT), a UtilityCall (UTILITY), or as EngineSignal says.
+# (ABORT), a UtilityCall (UTILITY), a StartDPWave (START_DP_WAVE), or as EngineSignal says.
 InputItem = tuple[RequestType | EngineSignal, Any]
 STATS_NOW = "stats-now"
 # The most of a death's reason that travels with ENGINE_CORE_DEAD (a traceback's last line).
@@ -155,6 +156,7 @@ class InputThread(threading.Thread):
         self._add_decoder = MsgpackDecoder(EngineCoreRequest)
         self._abort_decoder = MsgpackDecoder(list[str])
         self._utility_decoder = MsgpackDecoder(UtilityCall)
+        self._wave_decoder = MsgpackDecoder(StartDPWave)
 
     def run(self) -> None:
         sock = make_socket(
@@ -204,6 +206,9 @@ class InputThread(threading.Thread):
                 call = self._utility_decoder.decode(payload)
                 call.client_index = self.client_index
                 self.engine.input_queue.put_nowait((RequestType.UTILITY, call))
+            elif kind == RequestType.START_DP_WAVE.value:
+                wave = self._wave_decoder.decode(payload)
+                self.engine.input_queue.put_nowait((RequestType.START_DP_WAVE, wave))
             else:
                 self.drops.drop(f"unknown request type {kind[:4]!r}")
         except _DECODE_ERRORS as exc:
@@ -289,7 +294,8 @@ class OutputThread(threading.Thread):
 
         When the engine steps faster than this thread sends, one message per backlog instead
         of one per step saves a send and a client-side decode per step. Only plain step
-        outputs merge; the first other item (a utility reply, a sentinel) stays queued next.
+        outputs merge; the first other item (a utility reply, a wave notice, a sentinel) stays
+        queued next.
         """
         outputs = item[1]
         if outputs.utility_output is not None:
@@ -303,6 +309,8 @@ class OutputThread(threading.Thread):
                 isinstance(following, tuple)
                 and following[0] == item[0]
                 and following[1].utility_output is None
+                and following[1].wave_complete is None
+                and following[1].start_wave is None
             ):
                 self._carried.append(following)
                 break

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 
 from corefleet.engine.engine_core.io_threads import InputSink, InputThread, OutputItem, OutputThread
@@ -42,16 +43,27 @@ logger = logging.getLogger(__name__)
 
 REFRESH_S = 2.0  # how often a ready rank resolves --coordinator again
 REFUSED_RETRY_S = 30.0  # a coordinator that refused this rank is asked again after this
+# The client index of outputs every coordinator must see (an MoE group's wave notices).
+EVERY_COORDINATOR = -1
 
 
 class OutputRouter:
-    """The busy loop's output queue: an output to the link of its client index, a marker
-    (stats now, engine dead, stop) to every link."""
+    """The busy loop's output queue: an output to the link of its client index (each link to
+    its own copy for :data:`EVERY_COORDINATOR`), a marker (stats now, engine dead, stop) to
+    every link."""
 
     def __init__(self) -> None:
         self._queues: dict[int, queue.SimpleQueue[OutputItem]] = {}
 
     def put_nowait(self, item: OutputItem) -> None:
+        if isinstance(item, tuple) and item[0] == EVERY_COORDINATOR:
+            # A copy each (its own list too): every output thread stamps its own stats into
+            # what it sends, and merges later outputs into it.
+            outputs = item[1]
+            for index, each in list(self._queues.items()):
+                copy = msgspec.structs.replace(outputs, outputs=list(outputs.outputs))
+                each.put_nowait((index, copy))
+            return
         if isinstance(item, tuple):
             link_queue = self._queues.get(item[0])
             if link_queue is not None:  # else its coordinator is gone, and its streams with it

@@ -105,6 +105,7 @@ class EngineCoreProc(EngineCore):
         dialer = HandshakeDialer(self.ctx, hello, proc_config.curve)
         first = wait_for_first_init(dialer, resolver.resolve)
         clock.phase("handshake")
+        self._before_model_load()
         super().__init__(config, clock=clock)  # load the model, allocate the KV cache
         self.executor.register_failure_callback(self._on_executor_failure)
         self._waker = threading.Thread(target=self._forward_wakeups, name="corefleet-wake")
@@ -119,6 +120,10 @@ class EngineCoreProc(EngineCore):
         clock.phase("ready")
         clock.report(self.rank)
 
+    def _before_model_load(self) -> None:
+        """What a subclass must do once a coordinator answered and before the model loads
+        (an MoE group forms here: ``dp_proc.py``)."""
+
     # ---- the busy loop ---------------------------------------------------------------------
 
     def run_busy_loop(self) -> None:
@@ -129,8 +134,12 @@ class EngineCoreProc(EngineCore):
             # 2. One step; its outputs go to the output thread.
             self._process_engine_step()
 
+    def _idle(self) -> bool:
+        """Whether the loop has nothing to do but wait for input."""
+        return not self.scheduler.has_requests() and self.shutdown_state is ShutdownState.RUNNING
+
     def _process_input_queue(self) -> None:
-        while not self.scheduler.has_requests() and self.shutdown_state is ShutdownState.RUNNING:
+        while self._idle():
             self.complete_idle_waiters()
             if self.input_queue.empty():
                 _discard(self.aborts_queue)  # every abort also came through the input queue

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from corefleet.engine.transport.sockets import CurveKeys
+from corefleet.engine.worker.dp_settings import DPGroupSettings
 
 ShutdownMode = Literal["drain", "abort"]
 
@@ -21,6 +22,10 @@ class EngineProcConfig:
 
     ``parent_pid`` and ``parent_fd`` name a local parent (``corefleet serve``, a multiprocess
     client): when it dies the rank aborts and exits (``engine_core/parent_watch.py``).
+
+    ``data_parallel`` (``--data-parallel-size``, ``--data-parallel-address``): with an MoE model
+    and a size above 1, ranks 0 .. size - 1 form one group that steps in waves
+    (``dp_proc.py``); any other model ignores it (independent ranks, as in vLLM).
     """
 
     handshake_address: str
@@ -35,6 +40,7 @@ class EngineProcConfig:
     coordinator_refresh_s: float = 2.0
     health_host: str = "0.0.0.0"
     health_port: int = 0  # 0: no health endpoints (a rank pod uses 8001)
+    data_parallel: DPGroupSettings = field(default_factory=DPGroupSettings)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < 1 << 16:

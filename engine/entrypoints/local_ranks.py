@@ -8,12 +8,18 @@ end of file at once, aborts and exits.
 
 :meth:`LocalRanks.supervise` watches the children (``respawn.py``): a child that exits is
 reported at once and started again after a back-off.
+
+With several ranks, each also gets ``--data-parallel-size`` and a ``--data-parallel-address``
+on loopback (a port free at start, kept across restarts): ranks of an MoE model form their
+group there (``engine_core/dp_proc.py``), others ignore it. When a rank of the group dies its
+peers exit too, and each is restarted here; the group forms again from the new processes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -43,6 +49,7 @@ class LocalRanks:
     parent_pipe: int | None = field(default=None, repr=False)
     _pipe_read_end: int | None = field(default=None, repr=False)  # kept for restarts
     _coordinator: str = field(default="", repr=False)
+    _dp_address: str = field(default="", repr=False)  # rank 0's rendezvous (several ranks)
     _respawner: Respawner | None = field(default=None, repr=False)
 
     def start(self, coordinator: int | str) -> None:
@@ -52,6 +59,8 @@ class LocalRanks:
             coordinator if isinstance(coordinator, str) else f"127.0.0.1:{coordinator}"
         )
         self._pipe_read_end, self.parent_pipe = os.pipe()  # both close on exec unless passed
+        if self.count > 1:
+            self._dp_address = f"127.0.0.1:{_free_port()}"
         self.procs = [self._spawn(rank) for rank in range(self.count)]
         self._respawner = Respawner("engine rank", self.procs, self._spawn)
         logger.info("started %d local engine rank(s)", self.count)
@@ -73,11 +82,18 @@ class LocalRanks:
             *("--health-port", "0"),
             *("--shutdown-mode", self.shutdown_mode),
             *("--shutdown-timeout", repr(self.shutdown_timeout_s)),
+            *self._data_parallel_argv(),
             *(cpus.argv() if cpus is not None else []),
             *engine_argv_from_config(self.config),
         ]
         env = cpus.env(dict(os.environ)) if cpus is not None else None
         return subprocess.Popen(argv, pass_fds=(self._pipe_read_end,), env=env)
+
+    def _data_parallel_argv(self) -> list[str]:
+        if not self._dp_address:
+            return []
+        size, address = str(self.count), self._dp_address
+        return ["--data-parallel-size", size, "--data-parallel-address", address]
 
     async def supervise(
         self,
@@ -104,3 +120,11 @@ class LocalRanks:
             if self.parent_pipe is not None:
                 os.close(self.parent_pipe)
                 self.parent_pipe = None
+
+
+def _free_port() -> int:
+    """A loopback port free now (rank 0 binds it a few seconds later: a small race, as for
+    every local rendezvous port)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -111,6 +111,7 @@ def _rank_json(member: Any) -> dict[str, Any]:
         "incarnation": member.incarnation,
         "kv_cache_tokens": info.kv_cache_size_tokens if info else None,
         "max_model_len": info.max_model_len if info else None,
+        "dp_size": info.dp_size if info else None,  # > 1: a rank of an MoE group
         "stats": None
         if stats is None
         else {
@@ -120,6 +121,9 @@ def _rank_json(member: Any) -> dict[str, Any]:
             "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
             "draining": stats.draining,
             "steps": stats.step_counter,
+            "dummy_steps": stats.dummy_steps,
+            "current_wave": stats.current_wave,
+            "wave_running": stats.wave_running,
         },
         "dead_reason": member.dead_reason or None,
     }

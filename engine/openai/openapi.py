@@ -223,11 +223,13 @@ def _hand_written() -> dict[str, Schema]:
     maybe_int, flag = {"type": ["integer", "null"]}, {"type": "boolean"}
     stats = _object("Load (null until the rank's first report)", waiting=count, running=count)
     stats["properties"] |= {"kv_cache_usage": number, "prefix_cache_hit_rate": number}
-    stats["properties"] |= {"draining": flag, "steps": count}
+    stats["properties"] |= {"draining": flag, "steps": count, "dummy_steps": count}
+    stats["properties"] |= {"current_wave": count, "wave_running": flag}
     stats |= {"type": ["object", "null"], "required": list(stats["properties"])}
     state = {"enum": ["handshaking", "ready", "draining", "dead"]}
     rank = _object("A rank", rank=count, state=state, pod_name=text, pid=count, incarnation=count)
     rank["properties"] |= {"kv_cache_tokens": maybe_int, "max_model_len": maybe_int}
+    rank["properties"] |= {"dp_size": maybe_int}
     rank["properties"] |= {"stats": stats, "dead_reason": {"type": ["string", "null"]}}
     rank["required"] = list(rank["properties"])
     ranks = {"type": "object", "additionalProperties": count}

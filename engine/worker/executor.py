@@ -23,6 +23,7 @@ from corefleet.engine.core.scheduler_output import (
 )
 from corefleet.engine.models.loader import load_arch_config
 from corefleet.engine.worker.devices import resolve_device, resolve_dtype, set_cpu_threads
+from corefleet.engine.worker.dummy_batch import execute_dummy_batch
 from corefleet.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,11 @@ class Executor(Protocol):
 
     def sample_tokens(self, grammar_output: GrammarOutput) -> ModelRunnerOutput:
         """Sample the step ``execute_model`` left waiting, under the grammar's mask."""
+        ...
+
+    def execute_dummy_batch(self) -> None:
+        """One forward pass that changes no request (an idle rank of an MoE group keeps step
+        with its peers' collectives; ``worker/dummy_batch.py``); returns when it is done."""
         ...
 
     def shutdown(self) -> None:
@@ -105,6 +111,9 @@ class UniProcExecutor:
 
     def sample_tokens(self, grammar_output: GrammarOutput) -> ModelRunnerOutput:
         return self._pool.submit(self._run, self.runner.sample_tokens, grammar_output).result()
+
+    def execute_dummy_batch(self) -> None:
+        self._pool.submit(self._run, execute_dummy_batch, self.runner).result()
 
     def _run(self, method: Callable[[_Arg], _Result], arg: _Arg) -> _Result:
         try:

@@ -147,6 +147,11 @@ class MultiprocExecutor:
         ]
         return result
 
+    def execute_dummy_batch(self) -> None:
+        """Never needed: an MoE group runs its model in the engine process (tensor and pipeline
+        parallel size 1; ``engine_core/entry.py`` refuses the others)."""
+        raise NotImplementedError("dummy batches need tensor and pipeline parallel size 1")
+
     def shutdown(self) -> None:
         """Stop the workers (killing any still there after ``STOP_TIMEOUT_S``)."""
         if self._stopping:

@@ -82,6 +82,9 @@ class NullExecutor:
             output.sampled_token_ids[index[req_id]] = [int(banned.argmin())]
         return output
 
+    def execute_dummy_batch(self) -> None:
+        """No model, no forward pass: nothing to keep in step."""
+
     def _step(self, so: SchedulerOutput) -> ModelRunnerOutput:
         num_tokens = self._num_tokens
         for req_id in so.finished_req_ids | so.preempted_req_ids:

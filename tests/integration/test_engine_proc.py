@@ -22,6 +22,7 @@ from corefleet.engine.messages import (
     RequestType,
     SamplingParams,
     SchedulerStats,
+    StartDPWave,
     UtilityCall,
 )
 from corefleet.engine.transport.serial import MsgpackEncoder
@@ -177,6 +178,8 @@ def _fuzz_frames(rng: random.Random) -> Iterator[list[bytes]]:
         (RequestType.ADD.value, encoder.encode(EngineCoreRequest("f", [5, 6, 7], greedy(3)))[0]),
         (RequestType.ABORT.value, encoder.encode(["a", "b"])[0]),
         (RequestType.UTILITY.value, encoder.encode(UtilityCall(0, 1, "reset_prefix_cache"))[0]),
+        # An MoE group's wake-up, to a rank outside any group: ignored, mutated or not.
+        (RequestType.START_DP_WAVE.value, encoder.encode(StartDPWave(3, exclude_rank=1))[0]),
         (RequestType.ABORT.value, encoder.encode({"not": "a list"})[0]),  # wrong fields
         (RequestType.ADD.value, encoder.encode(UtilityCall(0, 1, "x"))[0]),  # wrong struct
     ]

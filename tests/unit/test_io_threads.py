@@ -9,6 +9,7 @@ import pytest
 import zmq
 
 from corefleet.engine.engine_core.io_threads import InputThread, OutputItem, OutputThread
+from corefleet.engine.engine_core.links import EVERY_COORDINATOR, OutputRouter
 from corefleet.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -18,6 +19,7 @@ from corefleet.engine.messages import (
     ReadyResponse,
     RequestType,
     SamplingParams,
+    StartDPWave,
     UtilityCall,
     UtilityOutput,
 )
@@ -66,8 +68,16 @@ def test_input_thread_routes_each_request_type(ctx: zmq.Context) -> None:
     thread.dispatch([RequestType.ADD.value, *encode(add)])
     thread.dispatch([RequestType.ABORT.value, *encode(["x", "y"])])
     thread.dispatch([RequestType.UTILITY.value, *encode(UtilityCall(0, 7, "echo", [1]))])
-    kinds = [kind for kind, _ in _drain(sink.input_queue)]
-    assert kinds == [RequestType.ADD, RequestType.ABORT, RequestType.UTILITY]
+    thread.dispatch([RequestType.START_DP_WAVE.value, *encode(StartDPWave(4, exclude_rank=1))])
+    items = _drain(sink.input_queue)
+    kinds = [kind for kind, _ in items]
+    assert kinds == [
+        RequestType.ADD,
+        RequestType.ABORT,
+        RequestType.UTILITY,
+        RequestType.START_DP_WAVE,
+    ]
+    assert items[-1][1] == StartDPWave(4, exclude_rank=1)
     assert _drain(sink.aborts_queue) == [["x", "y"]]  # aborts also jump the queue
     assert thread.drops.total == 0
 
@@ -84,6 +94,14 @@ def test_input_thread_drops_malformed_frames_and_internal_types(ctx: zmq.Context
         [RequestType.ADD.value, b"\xff\xfe"],  # garbage msgpack
         [RequestType.ADD.value, *encode(["not", "a", "request"])],  # wrong fields
         [RequestType.ABORT.value, *encode({"a": 1})],
+        # START_DP_WAVE: no wave, a wave that is no number, out of range (it travels in int64
+        # tensors), an exclusion past the last rank, garbage.
+        [RequestType.START_DP_WAVE.value, *encode([])],
+        [RequestType.START_DP_WAVE.value, *encode(["3"])],
+        [RequestType.START_DP_WAVE.value, *encode([-1])],
+        [RequestType.START_DP_WAVE.value, *encode([2**64 - 1])],
+        [RequestType.START_DP_WAVE.value, *encode([1, 1 << 16])],
+        [RequestType.START_DP_WAVE.value, b"\xc1"],
     ]
     for message in frames:
         thread.dispatch(message)
@@ -138,3 +156,38 @@ def test_output_thread_merges_a_backlog_in_order_and_stops(ctx: zmq.Context) -> 
     before = [o.request_id for m in messages[:utility_at] for o in m.outputs]
     assert before == [f"r{i}" for i in range(5)]
     assert len(messages) == 3  # steps 0-4 merged, the reply, steps 5-7 merged
+
+
+def test_a_notice_for_every_coordinator_reaches_each_link_as_its_own_copy() -> None:
+    router = OutputRouter()
+    queues: list[queue.SimpleQueue[OutputItem]] = [queue.SimpleQueue() for _ in range(2)]
+    for index, link_queue in enumerate(queues):
+        router.add(index, link_queue)
+    notice = EngineCoreOutputs(wave_complete=3)
+    router.put_nowait((EVERY_COORDINATOR, notice))
+    (first,), (second,) = (_drain(q) for q in queues)
+    assert (first[0], second[0]) == (0, 1)
+    assert first[1].wave_complete == second[1].wave_complete == 3
+    # Each output thread stamps its own stats and merges its own outputs into its copy.
+    assert first[1] is not second[1] and first[1].outputs is not second[1].outputs
+
+
+def test_output_thread_never_merges_a_wave_notice_away(ctx: zmq.Context) -> None:
+    pull = make_socket(ctx, zmq.PULL, "tcp://127.0.0.1:0", bind=True)
+    output_queue: queue.SimpleQueue[OutputItem] = queue.SimpleQueue()
+    output_queue.put((0, EngineCoreOutputs(outputs=[EngineCoreOutput("r", [1])])))
+    output_queue.put((0, EngineCoreOutputs(start_wave=2)))
+    output_queue.put((0, EngineCoreOutputs(outputs=[EngineCoreOutput("r", [2])])))
+    output_queue.put((0, EngineCoreOutputs(wave_complete=2)))
+    output_queue.put(None)
+    thread = OutputThread(ctx, bound_address(pull), None, output_queue, EngineStats, 0)
+    thread.start()
+    thread.join(timeout=5)
+    decoder = MsgpackDecoder(EngineCoreOutputs)
+    messages = []
+    while pull.poll(1000):
+        messages.append(decoder.decode(pull.recv_multipart(copy=False)))
+    pull.close(linger=0)
+    assert [m.start_wave for m in messages if m.start_wave is not None] == [2]
+    assert [m.wave_complete for m in messages if m.wave_complete is not None] == [2]
+    assert [t for m in messages for o in m.outputs for t in o.new_token_ids] == [1, 2]
