@@ -161,9 +161,12 @@ class DPEngineCoreProc(EngineCoreProc):
             return True
         if self._force_abort:
             return has_requests  # the parent died: leave now; the peers' collectives fail
-        # Draining: keep stepping (dummy batches included) so the group reaches its syncs.
+        if self._leaving:
+            return False  # the group agreed at the last sync: every rank leaves now
+        # Draining: keep stepping (dummy batches included) so the group reaches its syncs,
+        # and wake the peers if the group was idle (they learn of the drain at the sync).
         self._announce(self.waves.start())
-        return not self._leaving
+        return True
 
     # ---- what clients see, and the end -------------------------------------------------------
 

@@ -8,6 +8,7 @@ with such a group, rank deaths and drains: ``test_dp_group_serve.py``.)
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 from pathlib import Path
 
@@ -111,5 +112,11 @@ def test_a_group_wakes_for_work_heals_a_lone_start_and_drops_bad_wave_frames(
             # Every wave ends on a sync: the ranks stepped the same, a whole number of syncs.
             rank0, _ = _stats(fleet)
             assert rank0 is not None and rank0.step_counter % 32 == 0
+
+            # SIGTERM to rank 1 alone, the group idle: it wakes rank 0 (through the
+            # coordinator), the sync tells rank 0 that a rank drains, and both leave together.
+            procs[1].send_signal(signal.SIGTERM)
+            codes = await asyncio.gather(*(asyncio.to_thread(p.wait, WAIT_S) for p in procs))
+            assert codes == [0, 0]
 
     run_with_processes(scenario)
