@@ -120,3 +120,34 @@ def test_a_group_wakes_for_work_heals_a_lone_start_and_drops_bad_wave_frames(
             assert codes == [0, 0]
 
     run_with_processes(scenario)
+
+
+@pytest.mark.slow
+def test_two_coordinators_drive_one_group_and_each_sees_its_waves(tmp_path: Path) -> None:
+    model = write_tiny_moe(tmp_path / "m")
+    expected = reference_tokens(model, PROMPTS, TOKENS)
+    group = ("--data-parallel-size", "2", "--data-parallel-address", f"127.0.0.1:{free_port()}")
+
+    async def scenario(procs: list[subprocess.Popen[bytes]]) -> None:
+        async with local_fleet() as a, local_fleet() as b:
+            both = f"127.0.0.1:{a.server.ports[0]},127.0.0.1:{b.server.ports[0]}"
+            procs.extend(spawn_rank(model, both, r, *group) for r in (0, 1))
+            for fleet in (a, b):
+                await until(lambda f=fleet: len(f.membership.accepting()) == 2, WAIT_S, "ready")
+
+            # Each coordinator believes the group idle and wakes it for its own request; the
+            # ranks take the second wake-up of the same wave as a no-op.
+            async def tokens(fleet: FleetClient, i: int, tag: str) -> list[int]:
+                request = EngineCoreRequest(f"{tag}{i}", PROMPTS[i], greedy(TOKENS))
+                return [t async for out in fleet.generate(request) for t in out.new_token_ids]
+
+            for _ in range(2):
+                got = await asyncio.gather(tokens(a, 0, "a"), tokens(b, 1, "b"))
+                assert got == expected
+            # Both coordinators follow the ranks: the group idle in the same wave, seen by each.
+            for fleet in (a, b):
+                await until(lambda f=fleet: _group_idle_in(f, 1), WAIT_S, "idle, seen by both")
+            assert a.waves.view.current_wave == b.waves.view.current_wave >= 1
+            assert not a.waves.view.running and not b.waves.view.running
+
+    run_with_processes(scenario)
