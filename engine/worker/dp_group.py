@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from corefleet.engine.config import EngineConfig
+from corefleet.engine.models.expert_parallel import ExpertParallel
 from corefleet.engine.worker.dp_settings import DPGroupSettings
 
 logger = logging.getLogger(__name__)
@@ -142,6 +144,21 @@ _current: DPGroup | None = None
 def current_dp_group() -> DPGroup | None:
     """This process's MoE group, once formed (None: an independent rank)."""
     return _current
+
+
+def expert_parallel_for(config: EngineConfig) -> ExpertParallel | None:
+    """This rank's share of the experts under ``--enable-expert-parallel``: its place in the
+    MoE group (None without the flag, or without a group: every expert stays here)."""
+    group = current_dp_group()
+    if not config.parallel.enable_expert_parallel:
+        return None
+    if group is None:
+        logger.warning(
+            "--enable-expert-parallel without an MoE group (--data-parallel-size above 1 and a "
+            "mixture-of-experts model): this rank holds every expert"
+        )
+        return None
+    return ExpertParallel(group.rank, group.size, group.process_group)
 
 
 def form_dp_group(rank: int, settings: DPGroupSettings) -> DPGroup:

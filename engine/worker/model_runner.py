@@ -19,6 +19,7 @@ from corefleet.engine.models.rope import build_cos_sin_cache
 from corefleet.engine.models.tensor_parallel import ShardPlan, TensorParallel
 from corefleet.engine.models.weights import load_weights, quantized_weights
 from corefleet.engine.worker.attention_inputs import AttentionInputs
+from corefleet.engine.worker.dp_group import expert_parallel_for
 from corefleet.engine.worker.input_batch import InputBatch, RequestState, StepInputs
 from corefleet.engine.worker.kv_budget import cpu_kv_cache_budget
 from corefleet.engine.worker.logit_masks import ban_stop_tokens_below_min_tokens, grammar_rows
@@ -98,6 +99,7 @@ class ModelRunner:
                 self.dtype,
                 self.shards,
                 self.stage,
+                expert_parallel_for(self.config),  # this rank's experts in an MoE group
             )
         model = model.to_empty(device=self.device).to(self.dtype)
         # The rotary table is computed, not loaded: rebuild it after materialising.

@@ -8,6 +8,7 @@ with such a group, rank deaths and drains: ``test_dp_group_serve.py``.)
 from __future__ import annotations
 
 import asyncio
+import itertools
 import signal
 import subprocess
 from pathlib import Path
@@ -149,5 +150,38 @@ def test_two_coordinators_drive_one_group_and_each_sees_its_waves(tmp_path: Path
                 await until(lambda f=fleet: _group_idle_in(f, 1), WAIT_S, "idle, seen by both")
             assert a.waves.view.current_wave == b.waves.view.current_wave >= 1
             assert not a.waves.view.running and not b.waves.view.running
+
+    run_with_processes(scenario)
+
+
+@pytest.mark.slow
+def test_expert_parallel_ranks_keep_step_through_dummy_batches(tmp_path: Path) -> None:
+    """Each rank holds half the experts, so every MoE layer of every forward pass exchanges
+    tokens between the ranks: a request on one rank runs only because the idle one runs
+    dummy batches in step (a missed one would hang the exchange until the timeout)."""
+    model = write_tiny_moe(tmp_path / "m")
+    expected = reference_tokens(model, PROMPTS, TOKENS)  # one rank holding every expert
+    group = ("--data-parallel-size", "2", "--data-parallel-address", f"127.0.0.1:{free_port()}")
+
+    async def scenario(procs: list[subprocess.Popen[bytes]]) -> None:
+        async with local_fleet() as fleet:
+            procs.extend(
+                spawn_rank(model, fleet.server.ports[0], r, *group, enable_expert_parallel=True)
+                for r in (0, 1)
+            )
+            await until(lambda: len(fleet.membership.accepting()) == 2, WAIT_S, "group ready")
+
+            ids = itertools.count()
+
+            async def tokens(i: int) -> list[int]:
+                request = EngineCoreRequest(f"ep{next(ids)}", PROMPTS[i], greedy(TOKENS))
+                return [t async for out in fleet.generate(request) for t in out.new_token_ids]
+
+            assert await tokens(0) == expected[0]  # rank 0 busy (round robin), rank 1 in dummies
+            await until(lambda: _group_idle_in(fleet, 1), WAIT_S, "the first wave ended")
+            _, idle = _stats(fleet)
+            assert idle is not None and idle.dummy_steps == idle.step_counter
+            assert list(await asyncio.gather(tokens(0), tokens(1))) == expected  # both busy
+            await until(lambda: _group_idle_in(fleet, 2), WAIT_S, "the second wave ended")
 
     run_with_processes(scenario)
