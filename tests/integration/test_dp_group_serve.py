@@ -256,3 +256,18 @@ def test_a_group_drained_under_load_fails_no_request(model: Path, tmp_path: Path
             assert f"local engine rank {rank} (pid {pid}) exited with code 0" in logged
         assert re.search(r"rank \d: draining [1-9]\d* request", logged), "nothing was in flight"
         assert "DPGroupLost" not in logged and "ENGINE_CORE_DEAD" not in logged
+
+
+def test_an_idle_group_whose_rank_0_dies_forms_again(model: Path, tmp_path: Path) -> None:
+    """No collective runs in an idle group: rank 1 learns of rank 0's death from its watcher
+    (rank 0's store is gone) and exits, and the group forms again from new processes."""
+    log = tmp_path / "serve.log"
+    with _serve(model, log) as base:
+        old = _engines(base)
+        os.kill(old[0]["pid"], signal.SIGKILL)
+        old_pids = (old[0]["pid"], old[1]["pid"])
+        _wait_for(lambda: _group_ready(base, old_pids), "the group formed again")
+        logged = log.read_text(errors="replace")
+        assert "lost the data-parallel group's store" in logged
+        assert f"local engine rank 1 (pid {old_pids[1]}) exited with code 1" in logged
+        assert _complete(base, PROMPTS[1], 20)["finish_reason"] == "length"
