@@ -189,6 +189,9 @@ def form_dp_group(rank: int, settings: DPGroupSettings) -> DPGroup:
     else:
         store = _join_fresh_store(rank, settings, deadline)
     _wait_for_everyone(store, settings, deadline)
+    # gloo's own rendezvous waits on the store for its peers' addresses: a peer may reach it
+    # later than this rank (it polls), so the wait is what remains of the formation's time.
+    store.set_timeout(datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())))
     dist.init_process_group(
         "gloo",
         store=dist.PrefixStore("gloo", store),
