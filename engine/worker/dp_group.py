@@ -176,9 +176,11 @@ def form_dp_group(rank: int, settings: DPGroupSettings) -> DPGroup:
     started = time.monotonic()
     deadline = started + settings.formation_timeout_s
     if rank == 0:
-        # Listens on every interface at the port; the others reach it at the address.
+        # The server listens on every interface at the port, and the others reach it at the
+        # address; rank 0 itself connects through loopback, so its own name (a cluster DNS
+        # name, published only once its pod exists) need not resolve yet.
         store = dist.TCPStore(
-            settings.host,
+            "127.0.0.1",
             settings.port,
             None,
             True,
