@@ -28,23 +28,19 @@ from corefleet.engine.coordinator.membership import RankMember
 from corefleet.engine.openai import protocol as p
 from corefleet.engine.openai.errors import SCHEMA_VALID_REFUSALS, ErrorResponse
 from corefleet.engine.openai.limits import RequestLimits
+from corefleet.engine.openai.openapi_admin import REF_TEMPLATE, Schema, hand_written_schemas
+from corefleet.engine.openai.openapi_admin import component_ref as _ref
 from corefleet.engine.openai.openapi_structured import structured_output_rules
 
 __all__ = ["openapi_document", "served_openapi"]
 
-Schema = dict[str, Any]
 JSON, SSE, TEXT = "application/json", "text/event-stream", "text/plain"
-_REF = "#/components/schemas/{model}"
 _NULL: Schema = {"type": "null"}
 _MAX_N_RANGES = 6
 try:
     _VERSION = metadata.version("corefleet")
 except metadata.PackageNotFoundError:  # pragma: no cover - not installed
     _VERSION = "0"
-
-
-def _ref(name: str) -> Schema:
-    return {"$ref": _REF.format(model=name)}
 
 
 class _AllFieldsRequired(GenerateJsonSchema):
@@ -56,7 +52,7 @@ class _AllFieldsRequired(GenerateJsonSchema):
 
 def _schemas(models: Sequence[type[BaseModel]], mode: JsonSchemaMode) -> dict[str, Schema]:
     _, top = models_json_schema(
-        [(m, mode) for m in models], ref_template=_REF, schema_generator=_AllFieldsRequired
+        [(m, mode) for m in models], ref_template=REF_TEMPLATE, schema_generator=_AllFieldsRequired
     )
     return dict(top.get("$defs", {}))
 
@@ -211,43 +207,6 @@ def _chat_rules(schema: Schema, messages: Schema) -> None:
     messages["allOf"] = [{"anyOf": [_is("role", "assistant"), content]}]
 
 
-def _object(description: str, **props: Schema) -> Schema:
-    """An object with all of ``props`` required."""
-    schema = {"type": "object", "description": description, "properties": props}
-    return schema | {"required": list(props)}
-
-
-def _hand_written() -> dict[str, Schema]:
-    """Schemas of the answers that have no pydantic model."""
-    count, number, text = {"type": "integer", "minimum": 0}, {"type": "number"}, {"type": "string"}
-    maybe_int, flag = {"type": ["integer", "null"]}, {"type": "boolean"}
-    stats = _object("Load (null until the rank's first report)", waiting=count, running=count)
-    stats["properties"] |= {"kv_cache_usage": number, "prefix_cache_hit_rate": number}
-    stats["properties"] |= {"draining": flag, "steps": count, "dummy_steps": count}
-    stats["properties"] |= {"current_wave": count, "wave_running": flag}
-    stats |= {"type": ["object", "null"], "required": list(stats["properties"])}
-    state = {"enum": ["handshaking", "ready", "draining", "dead"]}
-    rank = _object("A rank", rank=count, state=state, pod_name=text, pid=count, incarnation=count)
-    rank["properties"] |= {"kv_cache_tokens": maybe_int, "max_model_len": maybe_int}
-    rank["properties"] |= {"dp_size": maybe_int}
-    rank["properties"] |= {"stats": stats, "dead_reason": {"type": ["string", "null"]}}
-    rank["required"] = list(rank["properties"])
-    ranks = {"type": "object", "additionalProperties": count}
-    events = {}
-    for name, chunk in (
-        ("Completion", "CompletionStreamResponse"),
-        ("ChatCompletion", "ChatCompletionChunk"),
-    ):
-        as_json = {"type": "string", "contentMediaType": JSON, "contentSchema": _ref(chunk)}
-        data = {"anyOf": [{"const": "[DONE]"}, as_json]}
-        events[f"{name}Event"] = _object(f"`data`: a {chunk} as JSON, [DONE] last", data=data)
-    return events | {
-        "Health": _object("The process works", status={"const": "ok"}),
-        "Readiness": _object("Whether a rank serves; ranks per state", ready=flag, ranks=ranks),
-        "RankStatus": rank,
-    }
-
-
 _TEXT: Schema = {"schema": {"type": "string"}}
 _OVERLOADED = "uvicorn's plain-text 'Service Unavailable': more connections than --max-connections"
 
@@ -373,7 +332,7 @@ def openapi_document(
         _sampling_rules(requests[name], model_name, max_n, max_model_len, vocab_size)
     _completion_rules(requests["CompletionRequest"], max_n, max_model_len, vocab_size)
     _chat_rules(requests["ChatCompletionRequest"], requests["ChatMessage"])
-    schemas = requests | responses | _stream_schemas(responses) | _hand_written()
+    schemas = requests | responses | _stream_schemas(responses) | hand_written_schemas()
     components = {"schemas": schemas, "responses": _responses(limits or RequestLimits())}
     if auth:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
