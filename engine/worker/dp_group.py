@@ -62,6 +62,19 @@ class DPGroup:
         self.process_group: Any = dist.group.WORLD  # the default group: the model may use it
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._nccl: Any = None  # the model's group on CUDA (``model_group``), made on first use
+
+    def model_group(self, device: torch.device) -> Any:
+        """The group the model's collectives (the expert-parallel exchange) run in, for tensors
+        on ``device``: the gloo group on the CPU; on CUDA a NCCL group of the same ranks, made
+        once (every rank calls this while loading its model, so the collective creation
+        matches), because gloo is a CPU transport. The waves' syncs stay on gloo, on CPU
+        tensors. The CUDA branch has never run: no session has had GPUs."""
+        if device.type != "cuda":
+            return self.process_group
+        if self._nccl is None:
+            self._nccl = dist.new_group(ranks=list(range(self.size)), backend="nccl")
+        return self._nccl
 
     def all_reduce_max(self, values: list[int]) -> list[int]:
         """The element-wise maximum of every rank's ``values`` (the same length everywhere).
@@ -146,9 +159,10 @@ def current_dp_group() -> DPGroup | None:
     return _current
 
 
-def expert_parallel_for(config: EngineConfig) -> ExpertParallel | None:
+def expert_parallel_for(config: EngineConfig, device: torch.device) -> ExpertParallel | None:
     """This rank's share of the experts under ``--enable-expert-parallel``: its place in the
-    MoE group (None without the flag, or without a group: every expert stays here)."""
+    MoE group, exchanging tokens on ``device`` (None without the flag, or without a group:
+    every expert stays here)."""
     group = current_dp_group()
     if not config.parallel.enable_expert_parallel:
         return None
@@ -158,7 +172,7 @@ def expert_parallel_for(config: EngineConfig) -> ExpertParallel | None:
             "mixture-of-experts model): this rank holds every expert"
         )
         return None
-    return ExpertParallel(group.rank, group.size, group.process_group)
+    return ExpertParallel(group.rank, group.size, group.model_group(device))
 
 
 def form_dp_group(rank: int, settings: DPGroupSettings) -> DPGroup:

@@ -99,7 +99,7 @@ class ModelRunner:
                 self.dtype,
                 self.shards,
                 self.stage,
-                expert_parallel_for(self.config),  # this rank's experts in an MoE group
+                expert_parallel_for(self.config, self.device),  # its experts in an MoE group
             )
         model = model.to_empty(device=self.device).to(self.dtype)
         # The rotary table is computed, not loaded: rebuild it after materialising.
