@@ -38,6 +38,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import IO
 
 IP = shutil.which("ip") or "/usr/sbin/ip"
+UNSHARE = shutil.which("unshare") or "/usr/bin/unshare"
 NETNS_ETC = pathlib.Path("/etc/netns")
 _OURS = re.compile(r"^cf(?:b|v|-)([0-9a-f]+)")
 
@@ -143,6 +144,7 @@ class Sandbox:
     netns: str
     ip: str
     veth: str
+    hostname: str = ""  # the pod's hostname: its containers' own UTS name, as in Kubernetes
 
     @property
     def etc(self) -> pathlib.Path:
@@ -166,11 +168,22 @@ class Sandbox:
         workdir: str,
         log: IO[bytes],
     ) -> subprocess.Popen[bytes]:
-        """Start a container's main process in this namespace (its own session and group)."""
-        script = ["set -e", *(c for m in mounts for c in m.commands())]
+        """Start a container's main process in this namespace (its own session and group).
+
+        It also gets a UTS namespace of its own named after the pod, as a pod's containers do:
+        `gethostname()` is then the name the pod's /etc/hosts maps to its address (gloo, say,
+        finds the address to listen on that way), not the node's, which no pod resolves.
+        """
+        script = ["set -e"]
+        if self.hostname:
+            script.append(f"printf %s {shlex.quote(self.hostname)} > /proc/sys/kernel/hostname")
+        script += [*(c for m in mounts for c in m.commands())]
         script += [f"cd {shlex.quote(workdir)}", 'exec "$@"']
+        # unshare execs the shell, which execs the command: the kubelet's process is still the
+        # container's main process.
+        unshare = [UNSHARE, "--uts", "/bin/sh", "-c", "\n".join(script), "sh"]
         return subprocess.Popen(
-            [IP, "netns", "exec", self.netns, "/bin/sh", "-c", "\n".join(script), "sh", *argv],
+            [IP, "netns", "exec", self.netns, *unshare, *argv],
             env=dict(env),
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -212,6 +225,7 @@ class PodNetwork:
             netns=f"{self.prefix}-{n}-{pod_name}"[:200],
             ip=self._free.pop(0),  # oldest freed first: an address is not reused at once
             veth=f"cfv{self._veth_tag}-{n:x}",
+            hostname=hostname,
         )
         try:
             self._wire(sandbox, hostname, search)

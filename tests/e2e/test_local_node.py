@@ -74,6 +74,8 @@ def test_pods_get_own_addresses_and_find_services_by_name(node: LocalCluster) ->
         "print('status', u.urlopen('http://web:8080/', timeout=5).status)\"; "
         'python3 -c "import urllib.request as u; '
         "print('fqdn', u.urlopen('http://web.default.svc.cluster.local:8080/').status)\"; "
+        # its own name, as a pod's: it resolves to its address (gloo binds that way)
+        "python3 -c \"import socket as s; print('self', s.gethostbyname(s.gethostname()))\"; "
         "sleep 600",
         container={
             "env": [{"name": "MY_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
@@ -88,11 +90,12 @@ def test_pods_get_own_addresses_and_find_services_by_name(node: LocalCluster) ->
     wait_for(lambda: _container(node, "web").get("ready"), 30, "web to be Ready")
     node.api.request("POST", PODS, client, expect=201)
     assert node.kubelet is not None
-    wait_for(lambda: "fqdn 200" in node.kubelet.log("default", "client"), 30, "client output")  # type: ignore[union-attr]
+    wait_for(lambda: "self " in node.kubelet.log("default", "client"), 30, "client output")  # type: ignore[union-attr]
     log = node.kubelet.log("default", "client")
     ips = {_status(node, "web")["podIP"], _status(node, "client")["podIP"]}
     assert len(ips) == 2
     assert f"ip={_status(node, 'client')['podIP']}" in log and "status 200" in log
+    assert "fqdn 200" in log and f"self {_status(node, 'client')['podIP']}" in log
     namespaces = node.kubelet.namespaces()
     assert len(namespaces) == 2 and all(
         n.startswith(node.kubelet.network.prefix) for n in namespaces
