@@ -57,7 +57,8 @@ def run_engine_core(config: EngineConfig, proc_config: EngineProcConfig) -> int:
         )
         engine.request_shutdown()
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
     sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
     health = None
     if proc_config.health_port:  # up before loading: liveness must hold during a long load
@@ -95,12 +96,16 @@ def run_engine_core(config: EngineConfig, proc_config: EngineProcConfig) -> int:
         logger.info("rank %d: shut down", engine.rank)
         return 0
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
         if engine is not None:
             engine.shutdown()
         if health is not None:
             health.stop()
+        # The exit code is decided: a late SIGTERM must not turn it into 143. It happens in
+        # every clean group drain on Kubernetes: the kubelet signals each rank of an MoE group,
+        # and a rank whose peer's signal came first has already drained with the group when
+        # its own arrives. (Only the engine-core command calls this, and it exits next.)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
         if watch is not None:
             watch.exit_if_parent_gone()  # aborted for a dead client: no exit code to report
 

@@ -15,10 +15,6 @@ ranks and the coordinator through a hostPath volume; the ranks meet at rank 0's 
    SIGTERM reaches both ranks together, they drain and exit 0, no request fails (a 503 with
    Retry-After while no rank serves is retried, as the OpenAI client does), and the new group
    serves. Deleting the engine then drains it again (exit 0) and leaves nothing behind.
-
-Known engine issue, reported as an xfail of step 4 where it shows (not hidden): a rank whose
-group drained because a peer got its SIGTERM first can die of its own SIGTERM, arriving while
-the process exits (`engine/engine_core/entry.py` restores SIG_DFL before the exit).
 """
 
 from __future__ import annotations
@@ -425,25 +421,4 @@ def test_delete_drains_the_group_and_leaves_nothing_behind(cluster: LocalCluster
     for pid in pids:
         assert not pathlib.Path(f"/proc/{pid}").exists(), f"process {pid} survived"
     codes = {n: watch.endings[n].code for n in names}
-    late = [r for r in RANKS if codes[names[r]] == -signal.SIGTERM and _late_sigterm(cluster, r)]
-    if late:
-        pytest.xfail(
-            f"ranks {late} drained with their group (a peer's SIGTERM came first), logged "
-            "'shut down', then died of their own SIGTERM: engine/engine_core/entry.py restores "
-            "SIG_DFL before its process exits, so a SIGTERM in that window kills it (143 in "
-            f"Kubernetes, not 0); exits {codes}"
-        )
     assert codes == dict.fromkeys(names, 0), watch.endings
-
-
-def _late_sigterm(cluster: LocalCluster, rank: int) -> bool:
-    """The engine bug behind a -SIGTERM exit of a rank whose group drained: its last run drained
-    because a peer did, shut down, and never handled a SIGTERM of its own (it came too late)."""
-    assert cluster.kubelet is not None
-    log = cluster.kubelet.log("default", f"{NAME}-engine-{rank}")
-    last_run = log.rsplit(f"corefleet.engine.cli: rank {rank}:", 1)[-1]
-    return (
-        "a peer drains, so the whole group drains" in last_run
-        and f"rank {rank}: shut down" in last_run
-        and "SIGTERM received" not in last_run
-    )
