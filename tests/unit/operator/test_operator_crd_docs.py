@@ -43,8 +43,25 @@ def test_the_walk_sees_every_level() -> None:
     assert len(paths) > 80
 
 
+# kube-apiserver refuses anything on the root `metadata` but `type: object` (and restrictions on
+# name and generateName): "must not specify anything other than name and generateName, but
+# metadata is implicitly specified". `kubectl explain` takes its description from ObjectMeta.
+ROOT_METADATA = ".metadata"
+
+
+def test_the_root_metadata_is_only_an_object() -> None:
+    root_metadata = SCHEMA["properties"]["metadata"]
+    assert set(root_metadata) <= {"type", "properties"}, root_metadata
+    assert root_metadata["type"] == "object"
+    assert set(root_metadata.get("properties", {})) <= {"name", "generateName"}
+
+
 def test_every_property_has_a_description() -> None:
-    missing = [path for path, sub in properties(SCHEMA) if not str(sub.get("description", ""))]
+    missing = [
+        path
+        for path, sub in properties(SCHEMA)
+        if path != ROOT_METADATA and not str(sub.get("description", ""))
+    ]
     assert missing == [], f"properties without a description: {missing}"
     assert SCHEMA.get("description")
 
@@ -53,8 +70,11 @@ def test_every_description_is_a_sentence() -> None:
     bad = [
         path
         for path, sub in properties(SCHEMA)
-        if not sub["description"].strip().endswith((".", ")"))
-        or not sub["description"][0].isupper()
+        if path != ROOT_METADATA
+        and (
+            not sub["description"].strip().endswith((".", ")"))
+            or not sub["description"][0].isupper()
+        )
     ]
     assert bad == [], f"descriptions should start upper-case and end with a full stop: {bad}"
 
