@@ -95,6 +95,8 @@ def build_coordinator_deployment(owner: Owner, spec: EngineSpec) -> dict[str, An
                 "metadata": {"labels": common_labels(name, "coordinator")},
                 "spec": {
                     "enableServiceLinks": False,
+                    # Coordinators never call the Kubernetes API: no token in the pod.
+                    "automountServiceAccountToken": False,
                     "terminationGracePeriodSeconds": termination_grace_seconds(spec),
                     "containers": [container],
                     "volumes": volumes,

@@ -109,6 +109,8 @@ def engine_pod_template(name: str, spec: EngineSpec) -> dict[str, Any]:
         "subdomain": engine_group_name(name),
         "restartPolicy": "Always",
         "enableServiceLinks": False,
+        # Ranks never call the Kubernetes API: no token in the pod (least privilege).
+        "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         **placement(spec),
         "containers": [container],
