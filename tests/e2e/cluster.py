@@ -1,15 +1,20 @@
-"""A whole cluster on this machine: API server, node, operator — entered as one context.
+"""A whole cluster on this machine: control plane, node, operator — entered as one context.
 
     with LocalCluster(tmp_path) as cluster:
         cluster.kubectl("apply", "-f", "examples/smollm2-cpu.yaml")
         ...
 
-- the API server: the kmock-based emulator on 127.0.0.1 with a kubeconfig (`apiserver.py`);
-- the node: `Kubelet` (pods as processes in network namespaces, Deployments, Service DNS);
-- the operator: the real `corefleet-operator` process, run out of cluster with the kubeconfig
-  (as `kopf run` is during development), in a private mount namespace whose /etc/hosts is the
-  node's Service DNS, so it reaches the coordinator by its Service name as it would in a pod
-  (`with_node_dns`, which runs any process, a test's client load say, with that view).
+- the control plane: real etcd, kube-apiserver, kube-controller-manager and kube-scheduler on
+  127.0.0.1 (`tests/controlplane/control_plane.py`), fresh for each cluster;
+- the node: `Kubelet`, a registered Node whose pods (bound by the real scheduler) run as
+  processes in network namespaces, with Service DNS as /etc/hosts files;
+- the operator: installed with the real `helm install` of `charts/corefleet` (its CRD,
+  ServiceAccount and ClusterRole; no replica), then run as the real `corefleet-operator`
+  process out of cluster, authenticated as the chart's ServiceAccount with a token from the
+  TokenRequest API, so every call it makes passes the chart's RBAC or fails the test. It runs
+  in a private mount namespace whose /etc/hosts is the node's Service DNS, so it reaches the
+  coordinator by its Service name as it would in a pod (`with_node_dns`, which runs any
+  process, a test's client load say, with that view).
 
 The image: `ghcr.io/corefleet/corefleet:<tag>` and `corefleet:<tag>` mean this machine's
 installation (the venv's `corefleet`) plus the file the Dockerfile adds, the embedded SmolLM2
@@ -24,15 +29,20 @@ import contextlib
 import os
 import pathlib
 import signal
+import ssl
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
-from apiserver import ApiServer, wait_until
+from apiserver import wait_until
 from container_spec import Image
-from kubelet import Kubelet
+from control_plane import ControlPlane
+from kubelet import Kubelet, NodeIdentity
+from node_object import NODE
+from operator_identity import install_chart, operator_kubeconfig
+from processes import free_port
 
 from corefleet.engine.models.default_model import default_model_path
 
@@ -55,17 +65,70 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: floa
     return wait_until(check, timeout, interval, what)
 
 
+DNS_USER = "corefleet:cluster-dns"
+# What CoreDNS's ClusterRole grants, less what these hosts files do not use (pods, namespaces).
+DNS_ROLE = {
+    "apiVersion": "rbac.authorization.k8s.io/v1",
+    "kind": "ClusterRole",
+    "metadata": {"name": DNS_USER},
+    "rules": [
+        {"apiGroups": [""], "resources": ["services"], "verbs": ["list", "watch"]},
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["list", "watch"],
+        },
+    ],
+}
+DNS_BINDING = {
+    "apiVersion": "rbac.authorization.k8s.io/v1",
+    "kind": "ClusterRoleBinding",
+    "metadata": {"name": DNS_USER},
+    "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": DNS_USER},
+    "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": DNS_USER}],
+}
+
+
+def node_identity(api: ControlPlane) -> NodeIdentity:
+    """The node's client and serving certificates, and cluster DNS's user with its RBAC."""
+    user = f"system:node:{NODE}"
+    client = api.pki.issue("kubelet-client", user, "system:nodes")
+    names = ("127.0.0.1", NODE)
+    serving = api.pki.issue("kubelet-serving", user, "system:nodes", server_names=names)
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(api.pki.ca))
+    server_tls.load_cert_chain(str(serving.cert), str(serving.key))
+    server_tls.verify_mode = ssl.CERT_REQUIRED
+    rbac = "/apis/rbac.authorization.k8s.io/v1"
+    api.request("POST", f"{rbac}/clusterroles", DNS_ROLE, expect=201)
+    api.request("POST", f"{rbac}/clusterrolebindings", DNS_BINDING, expect=201)
+    dns = api.pki.issue("cluster-dns", DNS_USER)
+    return NodeIdentity(
+        api.url, api.client_tls(client), server_tls, free_port(), api.client_tls(dns)
+    )
+
+
 class LocalCluster:
-    """API server + kubelet + operator; see the module docstring."""
+    """Control plane + kubelet + operator; see the module docstring.
+
+    `operator=False` leaves the operator out (a test of the node alone); `gpus` gives the node
+    that many `nvidia.com/gpu` in its capacity (nothing runs them).
+    """
 
     def __init__(
-        self, folder: pathlib.Path, backoff_base: float = 2.0, operator_timer: float = 2.0
+        self,
+        folder: pathlib.Path,
+        backoff_base: float = 2.0,
+        operator_timer: float = 2.0,
+        *,
+        operator: bool = True,
+        gpus: int = 0,
     ) -> None:
         self.folder = folder
-        self.api = ApiServer(folder)
+        self.api = ControlPlane(folder / "control-plane")
         self.kubelet: Kubelet | None = None
         self.operator: subprocess.Popen[bytes] | None = None
         self._backoff_base, self._timer = backoff_base, operator_timer
+        self._with_operator, self._gpus = operator, gpus
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> LocalCluster:
@@ -75,13 +138,19 @@ class LocalCluster:
                 corefleet_image("ghcr.io/corefleet/corefleet:*"),
                 corefleet_image("corefleet:*"),
             ]
-            self.kubelet = Kubelet(self.api.url, self.folder / "node", images, self._backoff_base)
+            self.kubelet = Kubelet(
+                node_identity(self.api),
+                self.folder / "node",
+                images,
+                self._backoff_base,
+                gpus=self._gpus,
+            )
             self.kubelet.start()
             self._stack.callback(self.kubelet.stop)
-            kubelet = self.kubelet
-            self.api.emu.pod_logs = lambda ns, pod, _container: kubelet.log(ns, pod) or None
-            self.operator = self._start_operator()
-            self._stack.callback(self._stop_operator)
+            if self._with_operator:
+                install_chart(self.api)
+                self.operator = self._start_operator()
+                self._stack.callback(self._stop_operator)
         except BaseException:
             self._stack.close()
             raise
@@ -122,7 +191,7 @@ class LocalCluster:
         assert self.kubelet is not None
         env = {
             **os.environ,
-            "KUBECONFIG": str(self.api.kubeconfig),
+            "KUBECONFIG": str(operator_kubeconfig(self.api, self.folder / "operator.kubeconfig")),
             "COREFLEET_OPERATOR_TIMER_SECONDS": str(self._timer),
         }
         operator = str(pathlib.Path(sys.executable).parent / "corefleet-operator")
@@ -144,7 +213,10 @@ class LocalCluster:
 
     def logs(self) -> str:
         """The operator's and every pod's output, for a failure message."""
-        parts = [f"--- operator\n{self.operator_log.read_text(errors='replace')[-4000:]}"]
+        operator = (
+            self.operator_log.read_text(errors="replace") if self.operator_log.exists() else ""
+        )
+        parts = [f"--- operator\n{operator[-4000:]}"]
         logs = self.folder / "node" / "logs"
         for path in sorted(logs.glob("*.log")) if logs.exists() else []:
             parts.append(f"--- {path.stem}\n{path.read_text(errors='replace')[-3000:]}")

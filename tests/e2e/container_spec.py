@@ -8,8 +8,9 @@ What a kubelet resolves before it starts a container, following Kubernetes' rule
   real reason);
 - `$(VAR)` in env values, command and args expands to an earlier-defined variable, `$$` escapes,
   an unknown name stays as written;
-- volumes: `emptyDir` and `secret`/`configMap` become folders of the pod, `hostPath` the node's
-  folder; each `volumeMount` is a bind mount;
+- volumes: folders of the pod (`pod_volumes.py`: emptyDir, secret, configMap, projected with the
+  service-account token) or of the node (hostPath); each `volumeMount` is a bind mount, and a
+  mount point under /var/run/secrets (where the API token goes) is made on the node if missing;
 - the image: a known image is this machine's corefleet installation plus a layer of files at
   the paths the Dockerfile gives them (overlaid on the node's folders); an unknown image fails
   as a pull would.
@@ -29,9 +30,11 @@ from fractions import Fraction
 from typing import Any
 
 from netns import Mount
+from pod_volumes import TokenFor, VolumeError, volume_source
 
 Pod = Mapping[str, Any]
 Fetch = Callable[[str, str, str], Awaitable[dict[str, Any] | None]]  # (plural, ns, name)
+SECRETS_MOUNT_ROOT = "/var/run/secrets/"
 _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
 
@@ -230,35 +233,6 @@ async def resolve_env(
     return env
 
 
-async def _volume_source(
-    volume: Mapping[str, Any], folder: pathlib.Path, ns: str, fetch: Fetch
-) -> pathlib.Path:
-    if "emptyDir" in volume:
-        folder.mkdir(parents=True, exist_ok=True)
-        return folder
-    if "hostPath" in volume:
-        return pathlib.Path(volume["hostPath"]["path"])
-    for kind, plural in (("secret", "secrets"), ("configMap", "configmaps")):
-        if kind in volume:
-            ref = volume[kind]
-            name = ref.get("secretName") or ref.get("name", "")
-            obj = await fetch(plural, ns, name)
-            if obj is None:
-                raise ContainerConfigError(
-                    "CreateContainerConfigError", f'{kind.lower()} "{name}" not found'
-                )
-            folder.mkdir(parents=True, exist_ok=True)
-            for key, value in (obj.get("data") or {}).items():
-                raw = base64.b64decode(value) if kind == "secret" else str(value).encode()
-                (folder / key).write_bytes(raw)
-            return folder
-    raise ContainerConfigError(
-        "CreateContainerConfigError",
-        f"volume {volume.get('name')!r}: only emptyDir, hostPath, secret and configMap are "
-        "supported by the local kubelet",
-    )
-
-
 async def plan_container(
     pod: Pod,
     image: Image,
@@ -266,6 +240,7 @@ async def plan_container(
     host_ip: str,
     pod_dir: pathlib.Path,
     fetch: Fetch,
+    token_for: TokenFor,
 ) -> ContainerPlan:
     """Resolve the pod's first container into a plan (raises ContainerConfigError)."""
     spec = pod.get("spec") or {}
@@ -274,17 +249,23 @@ async def plan_container(
     argv = [expand(a, env) for a in [*container.get("command", []), *container.get("args", [])]]
     if not argv:
         raise ContainerConfigError("CreateContainerError", "no command: the image has no default")
-    ns = pod["metadata"].get("namespace", "default")
     mounts = image_layer(image, pod_dir / "image")
-    sources = {
-        v["name"]: await _volume_source(v, pod_dir / "volumes" / v["name"], ns, fetch)
-        for v in spec.get("volumes") or ()
-    }
+    try:
+        sources = {
+            v["name"]: await volume_source(
+                v, pod_dir / "volumes" / v["name"], pod, fetch, token_for
+            )
+            for v in spec.get("volumes") or ()
+        }
+    except VolumeError as exc:
+        raise ContainerConfigError(exc.reason, str(exc)) from exc
     for mount in container.get("volumeMounts") or ():
         if mount["name"] not in sources:
             raise ContainerConfigError(
                 "CreateContainerConfigError", f"volumeMount {mount['name']!r} has no volume"
             )
+        if mount["mountPath"].startswith(SECRETS_MOUNT_ROOT):
+            os.makedirs(mount["mountPath"], exist_ok=True)  # an empty folder on the node
         if not os.path.exists(mount["mountPath"]):
             raise ContainerConfigError(
                 "CreateContainerError",

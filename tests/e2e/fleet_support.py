@@ -209,7 +209,7 @@ class StatusRecorder(Sampler):
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            obj = self.cluster.api.emu.obj(
+            obj = self.cluster.api.obj(
                 "corefleet.dev/v1alpha1/inferenceengines", "default", self.name
             )
             status = json.loads(json.dumps((obj or {}).get("status") or {}))

@@ -1,12 +1,13 @@
-"""The few Kubernetes API calls the local kubelet and controllers make, over plain HTTP.
+"""The few Kubernetes API calls the local kubelet makes, over HTTPS with its node credentials.
 
-They talk to the API server only through its HTTP interface, as a real kubelet does, so what
-they see is what kubectl and the operator see.
+It talks to the API server only through its HTTP interface, as a real kubelet does, so what it
+sees is what kubectl and the operator see, and what RBAC and the Node authorizer let a node do.
 """
 
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,12 +34,17 @@ def collection_url(group_version: str, plural: str, namespace: str | None = None
 class KubeApi:
     """An aiohttp session bound to one API server URL."""
 
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, tls: ssl.SSLContext | None = None) -> None:
+        """`tls` carries the CA and the client certificate (None: plain HTTP, the emulator)."""
         self.base_url = base_url.rstrip("/")
+        self._tls = tls
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> KubeApi:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=10),
+            connector=aiohttp.TCPConnector(ssl=self._tls if self._tls is not None else True),
+        )
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -68,10 +74,12 @@ class KubeApi:
             return answer
 
     async def list(
-        self, group_version: str, plural: str, namespace: str | None = None
+        self, group_version: str, plural: str, namespace: str | None = None, query: str = ""
     ) -> list[dict[str, Any]]:
-        """Every object of a resource (in all namespaces unless one is given)."""
-        doc = await self.call("GET", collection_url(group_version, plural, namespace))
+        """Every object of a resource (in all namespaces unless one is given); `query` is a URL
+        query such as "fieldSelector=spec.nodeName%3Dnode"."""
+        url = collection_url(group_version, plural, namespace)
+        doc = await self.call("GET", f"{url}?{query}" if query else url)
         return list(doc.get("items") or [])
 
     async def get(

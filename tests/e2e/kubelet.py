@@ -1,21 +1,26 @@
-"""A local kubelet: one node that schedules, runs and reports pods, plus the controllers.
+"""A local kubelet: one registered Node that runs the pods the real scheduler binds to it.
 
-`Kubelet` runs in a thread of its own with its own event loop (like the API server beside it)
-and talks to the API server only over HTTP. Every `sync_interval` it lists pods, Services and
-Deployments (a list, not a watch: simpler, and the emulator answers in about a millisecond) and:
+`Kubelet` runs in a thread of its own with its own event loop and talks to the API server only
+over HTTPS, with the node's credentials (`system:node:corefleet-local` in `system:nodes`), so the
+Node authorizer and NodeRestriction hold it to what a real kubelet may do. On start it registers
+its Node (`node_object.py`: capacity, conditions, the log endpoint) and serves container logs
+(`kubelet_server.py`); then it renews its Lease every `LEASE_RENEW_S` and every `sync_interval`
+it lists its pods (`spec.nodeName` selected: the only list the Node authorizer allows a node)
+and, as cluster DNS with a user of its own, Services and EndpointSlices (lists, not watches:
+simpler, and cheap at these sizes), and:
 
-1. schedules unbound pods onto its node — a pod whose `nodeSelector` does not match the node's
-   labels, or that asks for `nvidia.com/gpu` (this node has none), stays Pending with the
-   scheduler's `PodScheduled=False/Unschedulable` condition and message; CPU and memory requests
-   are not enforced (a development node shares its cores);
-2. starts a `PodWorker` for each pod bound to it (sandbox, container, probes, restarts) and
-   tells the workers of deletions;
-3. runs the Deployment controller;
-4. rewrites every pod's /etc/hosts when Service membership changes, and the node's own hosts
-   file (fully qualified names only) for processes run on the node with that view.
+1. starts a `PodWorker` for each pod bound to its node (sandbox, container, probes, restarts)
+   and tells the workers of deletions;
+2. rewrites every pod's /etc/hosts when Service membership changes, and the node's own hosts
+   file (fully qualified names only) for processes run on the node with that view
+   (`cluster_dns.py`).
+
+Scheduling, Deployments, ReplicaSets, garbage collection and the HPA are the real
+kube-scheduler's and kube-controller-manager's (`tests/controlplane/`).
 
 `stop()` stops every container (SIGTERM, then SIGKILL after `stop_grace`), removes every
-namespace and the bridge, and ends the thread; it also runs when the harness fails.
+namespace and the bridge, and ends the thread; it also runs when the harness fails. The Node
+object stays, as a node that was switched off stays: the next kubelet of this name takes it over.
 """
 
 from __future__ import annotations
@@ -24,62 +29,53 @@ import asyncio
 import contextlib
 import logging
 import pathlib
-import platform
+import ssl
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from cluster_dns import hosts_entries, hosts_file
 from container_spec import Image
-from controllers import DeploymentController, hosts_entries, hosts_file
 from kubeapi import KubeApi
+from kubelet_server import KubeletServer
 from netns import PodNetwork
-from pod_status import unschedulable
+from node_object import NODE, heartbeat, register
 from pod_worker import PodWorker
 
 logger = logging.getLogger("kubelet")
-NODE = "corefleet-local"
-GPU = "nvidia.com/gpu"
+LEASE_RENEW_S = 10.0
 
 
-def node_labels() -> dict[str, str]:
-    """The well-known labels of this node."""
-    arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
-    return {"kubernetes.io/arch": arch, "kubernetes.io/os": "linux", "kubernetes.io/hostname": NODE}
+@dataclass(frozen=True)
+class NodeIdentity:
+    """How the node reaches the API server and how the API server reaches the node."""
 
-
-def why_unschedulable(pod: Mapping[str, Any], labels: Mapping[str, str]) -> str | None:
-    """The scheduler's message for a pod this node cannot take, or None."""
-    spec = pod.get("spec") or {}
-    selector = spec.get("nodeSelector") or {}
-    if any(labels.get(k) != v for k, v in selector.items()):
-        return "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity/selector."
-    for container in spec.get("containers") or ():
-        resources = container.get("resources") or {}
-        asked = (resources.get("limits") or {}).get(GPU) or (resources.get("requests") or {}).get(
-            GPU
-        )
-        if asked and int(asked) > 0:
-            return f"0/1 nodes are available: 1 Insufficient {GPU}."
-    return None
+    api_url: str
+    client_tls: ssl.SSLContext  # the cluster CA and the node's client certificate
+    server_tls: ssl.SSLContext  # the node's serving certificate; requires client certificates
+    port: int  # where the node serves container logs, on 127.0.0.1
+    dns_tls: ssl.SSLContext  # cluster DNS's own user: it reads Services and EndpointSlices
 
 
 class Kubelet:
-    """The node: scheduling, pod workers, Deployments and DNS; see the module docstring."""
+    """The node: registration, heartbeat, pod workers and DNS; see the module docstring."""
 
     def __init__(
         self,
-        api_url: str,
+        identity: NodeIdentity,
         root: pathlib.Path,
         images: list[Image],
         backoff_base: float = 10.0,
         probe_period_cap: float = 1.0,
         sync_interval: float = 0.2,
         stop_grace: float = 10.0,
+        gpus: int = 0,
     ) -> None:
-        self.api_url, self.root, self.images = api_url, root, images
+        self.identity, self.root, self.images = identity, root, images
         self.backoff_base, self.probe_period_cap = backoff_base, probe_period_cap
-        self.sync_interval, self.stop_grace = sync_interval, stop_grace
-        self.labels = node_labels()
+        self.sync_interval, self.stop_grace, self.gpus = sync_interval, stop_grace, gpus
         self.node_hosts = root / "node-hosts"
         self.workers: dict[str, PodWorker] = {}  # by pod uid
         self.network: PodNetwork | None = None
@@ -88,18 +84,21 @@ class Kubelet:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._started = threading.Event()
+        self._start_error: BaseException | None = None
         self._hosts_written: dict[str, str] = {}
         self._entries: list[tuple[str, str, str]] = []  # the latest DNS records
 
     # --- lifecycle (called from the test thread)
     def start(self) -> None:
-        """Create the pod network and start syncing."""
+        """Create the pod network, register the Node and start syncing."""
         self.root.mkdir(parents=True, exist_ok=True)
         self.node_hosts.write_text("127.0.0.1 localhost\n")
         self.network = PodNetwork()
         self._thread.start()
-        if not self._started.wait(10):
+        if not self._started.wait(30):
             raise TimeoutError("the local kubelet did not start")
+        if self._start_error is not None:
+            raise RuntimeError(f"the local kubelet failed to start: {self._start_error!r}")
 
     def stop(self) -> None:
         """Stop every container, remove every sandbox and the bridge."""
@@ -125,12 +124,19 @@ class Kubelet:
 
     def log(self, namespace: str, name: str) -> str:
         """A pod's container output (all its runs), or '' when it has none."""
-        path = self.root / "logs" / f"{namespace}_{name}.log"
+        path = self._log_file(namespace, name)
         return path.read_text(errors="replace") if path.exists() else ""
 
     def namespaces(self) -> list[str]:
         """The network namespaces of live sandboxes."""
         return list(self.network.sandboxes) if self.network else []
+
+    def _log_file(self, namespace: str, name: str) -> pathlib.Path:
+        return self.root / "logs" / f"{namespace}_{name}.log"
+
+    def _live_log(self, namespace: str, name: str) -> pathlib.Path | None:
+        live = any((w.namespace, w.name) == (namespace, name) for w in self.workers.values())
+        return self._log_file(namespace, name) if live else None
 
     # --- the thread
     def _main(self) -> None:
@@ -139,28 +145,40 @@ class Kubelet:
     async def _run(self) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         tasks: dict[str, asyncio.Task[None]] = {}
-        async with KubeApi(self.api_url) as api:
-            deployments = DeploymentController(api)
+        identity = self.identity
+        server = KubeletServer(identity.server_tls, identity.port, self._live_log)
+        async with (
+            KubeApi(identity.api_url, identity.client_tls) as api,
+            KubeApi(identity.api_url, identity.dns_tls) as dns,
+        ):
+            try:
+                await server.start()
+                await register(api, "127.0.0.1", identity.port, self.gpus)
+                await heartbeat(api)
+            except BaseException as exc:
+                self._start_error = exc
+                self._started.set()
+                await server.stop()
+                return
             self._started.set()
+            renewed = time.monotonic()
             while not self._stop.is_set():
                 try:
-                    await self._sync(api, deployments, tasks)
+                    if time.monotonic() - renewed >= LEASE_RENEW_S:
+                        await heartbeat(api)
+                        renewed = time.monotonic()
+                    await self._sync(api, tasks)
+                    await self._write_dns(dns)
                 except Exception as exc:  # keep the node alive; the test sees `errors`
                     logger.exception("kubelet sync failed")
                     self.errors.append(f"{type(exc).__name__}: {exc}")
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.sync_interval)
             await self._shutdown(tasks)
+            await server.stop()
 
-    async def _sync(
-        self, api: KubeApi, deployments: DeploymentController, tasks: dict[str, asyncio.Task[None]]
-    ) -> None:
-        pods = await api.list("v1", "pods")
-        for pod in pods:
-            if not (pod.get("spec") or {}).get("nodeName") and not pod["metadata"].get(
-                "deletionTimestamp"
-            ):
-                await self._schedule(api, pod)
+    async def _sync(self, api: KubeApi, tasks: dict[str, asyncio.Task[None]]) -> None:
+        pods = await api.list("v1", "pods", query=f"fieldSelector=spec.nodeName%3D{NODE}")
         by_uid = {p["metadata"]["uid"]: p for p in pods}
         for uid, pod in by_uid.items():
             if (pod.get("spec") or {}).get("nodeName") != NODE:
@@ -176,27 +194,6 @@ class Kubelet:
         for uid in [u for u, t in tasks.items() if t.done()]:
             tasks.pop(uid)
             self.workers.pop(uid, None)
-        await deployments.sync(await api.list("apps/v1", "deployments"), pods)
-        self._write_dns(await api.list("v1", "services"), pods)
-
-    async def _schedule(self, api: KubeApi, pod: Mapping[str, Any]) -> None:
-        meta = pod["metadata"]
-        reason = why_unschedulable(pod, self.labels)
-        if reason is None:
-            await api.patch(
-                "v1", "pods", meta["namespace"], meta["name"], {"spec": {"nodeName": NODE}}
-            )
-            return
-        conditions = (pod.get("status") or {}).get("conditions") or []
-        if not any(c.get("message") == reason for c in conditions):
-            await api.patch(
-                "v1",
-                "pods",
-                meta["namespace"],
-                meta["name"],
-                {"status": unschedulable(reason)},
-                "status",
-            )
 
     def _start_worker(
         self, api: KubeApi, pod: Mapping[str, Any], tasks: dict[str, asyncio.Task[None]]
@@ -222,8 +219,10 @@ class Kubelet:
         if not task.cancelled() and task.exception() is not None:
             self.errors.append(f"pod worker {task.get_name()}: {task.exception()!r}")
 
-    def _write_dns(self, services: Sequence[Mapping[str, Any]], pods: Sequence[Any]) -> None:
-        self._entries = hosts_entries(services, pods)
+    async def _write_dns(self, dns: KubeApi) -> None:
+        services = await dns.list("v1", "services")
+        slices = await dns.list("discovery.k8s.io/v1", "endpointslices")
+        self._entries = hosts_entries(services, slices)
         self._write_once(str(self.node_hosts), hosts_file(self._entries, None), self.node_hosts)
         for worker in self.workers.values():
             if not worker.deleting.is_set():

@@ -20,7 +20,7 @@ import pathlib
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 import aiohttp
@@ -132,7 +132,7 @@ class PodWorker:
         try:
             image = find_image(self.container.image, self.images)
             plan = await plan_container(
-                self.pod, image, self.sandbox.ip, self.host_ip, self.dir, self._fetch
+                self.pod, image, self.sandbox.ip, self.host_ip, self.dir, self._fetch, self._token
             )
         except ContainerConfigError as exc:
             self.container.state = {"waiting": {"reason": exc.reason, "message": str(exc)}}
@@ -258,6 +258,26 @@ class PodWorker:
 
     async def _fetch(self, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
         return await self.api.get("v1", plural, namespace, name)
+
+    async def _token(self, account: str, seconds: int, audiences: Sequence[str]) -> str:
+        """A service-account token bound to this pod, from the TokenRequest API."""
+        body = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {
+                "audiences": list(audiences),
+                "expirationSeconds": seconds,
+                "boundObjectRef": {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "name": self.name,
+                    "uid": self.uid,
+                },
+            },
+        }
+        path = f"/api/v1/namespaces/{self.namespace}/serviceaccounts/{account}/token"
+        answer = await self.api.call("POST", path, body)
+        return str(answer["status"]["token"])
 
     async def _report(self) -> None:
         ip = self.sandbox.ip if self.sandbox else None

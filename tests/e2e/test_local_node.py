@@ -49,7 +49,7 @@ def _pod(name: str, script: str, **spec: Any) -> dict[str, Any]:
 
 
 def _status(node: LocalCluster, name: str) -> dict[str, Any]:
-    obj = node.api.emu.obj("v1/pods", "default", name)
+    obj = node.api.obj("v1/pods", "default", name)
     return (obj or {}).get("status") or {}
 
 
@@ -238,7 +238,7 @@ def test_a_deployment_keeps_its_pods_and_recreates_them_on_a_new_template(
     def running() -> list[str]:
         return sorted(
             p["metadata"]["name"]
-            for p in node.api.emu.objs("v1/pods", "default")
+            for p in node.api.objs("v1/pods", "default")
             if (p.get("status") or {}).get("phase") == "Running"
             and not p["metadata"].get("deletionTimestamp")
         )
@@ -259,10 +259,10 @@ def test_a_deployment_keeps_its_pods_and_recreates_them_on_a_new_template(
     }
     node.kubectl("patch", "deployment", "app", "--type", "merge", "-p", json.dumps(patch))
     wait_for(lambda: len(running()) == 2 and not set(running()) & set(first), 30, "new pods")
-    dep = node.api.emu.obj("apps/v1/deployments", "default", "app") or {}
+    dep = node.api.obj("apps/v1/deployments", "default", "app") or {}
     wait_for(
         lambda: (
-            (node.api.emu.obj("apps/v1/deployments", "default", "app") or {})
+            (node.api.obj("apps/v1/deployments", "default", "app") or {})
             .get("status", {})
             .get("availableReplicas")
             == 2
@@ -272,7 +272,7 @@ def test_a_deployment_keeps_its_pods_and_recreates_them_on_a_new_template(
     )
     assert dep
     node.kubectl("delete", "deployment", "app", "--wait=false")
-    wait_for(lambda: not node.api.emu.objs("v1/pods", "default"), 30, "the pods to go with it")
+    wait_for(lambda: not node.api.objs("v1/pods", "default"), 30, "the pods to go with it")
 
 
 def test_a_rolling_update_keeps_within_max_surge_and_max_unavailable(node: LocalCluster) -> None:
@@ -306,7 +306,7 @@ def test_a_rolling_update_keeps_within_max_surge_and_max_unavailable(node: Local
     def pods() -> list[dict[str, Any]]:
         return [
             p
-            for p in node.api.emu.objs("v1/pods", "default")
+            for p in node.api.objs("v1/pods", "default")
             if not p["metadata"].get("deletionTimestamp")
         ]
 

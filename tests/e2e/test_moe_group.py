@@ -213,7 +213,7 @@ def test_the_group_serves_what_one_engine_gives(cluster: LocalCluster, moe: Moe)
     manifest.write_text(yaml.safe_dump(_engine_manifest(moe.folder, MAX_NUM_SEQS)))
     cluster.kubectl("apply", "-f", str(manifest))
     base = _wait_group(cluster)
-    rank0 = cluster.api.emu.obj("v1/pods", "default", f"{NAME}-engine-0") or {}
+    rank0 = cluster.api.obj("v1/pods", "default", f"{NAME}-engine-0") or {}
     args = " ".join(rank0["spec"]["containers"][0]["args"])
     assert f"--data-parallel-address {NAME}-engine-0.{NAME}-engine:29550" in args, args
     assert "--enable-expert-parallel" in args and "--data-parallel-size 2" in args, args
@@ -278,7 +278,7 @@ def test_sigkill_of_one_rank_restarts_the_group_and_streams_continue(
     # collective with rank 1 failed), not by a kill.
     last = {}
     for rank in RANKS:
-        pod = cluster.api.emu.obj("v1/pods", "default", f"{NAME}-engine-{rank}") or {}
+        pod = cluster.api.obj("v1/pods", "default", f"{NAME}-engine-{rank}") or {}
         container = pod["status"]["containerStatuses"][0]
         assert container["restartCount"] >= 1, (rank, container)
         last[rank] = container["lastState"]["terminated"]
@@ -405,7 +405,7 @@ def test_a_rollout_drains_the_group_under_load_with_no_failed_request(
     drained = [int(n) for n in re.findall(r"rank \d: draining (\d+) request", logs)]
     assert drained and max(drained) >= 1, logs[-3000:]  # work was in flight at the SIGTERM
     for name in names:
-        pod = cluster.api.emu.obj("v1/pods", "default", name) or {}
+        pod = cluster.api.obj("v1/pods", "default", name) or {}
         assert "--max-num-seqs 6" in " ".join(pod["spec"]["containers"][0]["args"]), name
 
 
@@ -415,7 +415,7 @@ def test_delete_drains_the_group_and_leaves_nothing_behind(cluster: LocalCluster
     pids = [w.pid for w in cluster.kubelet.workers.values() if w.pid]
     with ProcessWatch(cluster, names) as watch:
         cluster.kubectl("delete", "ie", NAME, "--timeout=120s", timeout=150)
-        wait_for(lambda: not cluster.api.emu.objs("v1/pods", "default"), 120, "every pod to go")
+        wait_for(lambda: not cluster.api.objs("v1/pods", "default"), 120, "every pod to go")
         wait_for(watch.all_exited, 30, "both ranks to exit")
     wait_for(lambda: not cluster.kubelet.namespaces(), 30, "every namespace to go")  # type: ignore[union-attr]
     for pid in pids:

@@ -89,7 +89,7 @@ def _coordinator_url(cluster: LocalCluster) -> str:
 
 def _rank_pod(cluster: LocalCluster, rank: int) -> dict[str, Any] | None:
     assert cluster.kubelet is not None
-    obj = cluster.api.emu.obj("v1/pods", "default", f"{NAME}-engine-{rank}")
+    obj = cluster.api.obj("v1/pods", "default", f"{NAME}-engine-{rank}")
     return obj
 
 
@@ -274,7 +274,7 @@ def test_delete_removes_every_process_and_namespace(cluster: LocalCluster) -> No
     pids = [w.pid for w in cluster.kubelet.workers.values() if w.pid]
     assert pids
     cluster.kubectl("delete", "ie", NAME, "--timeout=120s", timeout=150)
-    wait_for(lambda: not cluster.api.emu.objs("v1/pods", "default"), 120, "every pod to go")
+    wait_for(lambda: not cluster.api.objs("v1/pods", "default"), 120, "every pod to go")
     wait_for(lambda: not cluster.kubelet.namespaces(), 30, "every namespace to go")  # type: ignore[union-attr]
     for pid in pids:
         assert not pathlib.Path(f"/proc/{pid}").exists(), f"process {pid} survived"
