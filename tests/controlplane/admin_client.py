@@ -119,6 +119,12 @@ class AdminClient:
         _, obj = self.request("PATCH", url, {"status": status}, content_type=MERGE, expect=200)
         return obj  # type: ignore[no-any-return]
 
+    def apply_crds(self, path: pathlib.Path) -> None:
+        """`kubectl apply` a file (or folder) of CRDs and wait until their kinds are served."""
+        self.kubectl("apply", "-f", str(path), timeout=60)
+        wait = ("wait", "--for=condition=Established", "-f", str(path), "--timeout=60s")
+        self.kubectl(*wait, timeout=90)
+
     def kubectl(
         self, *args: str, check: bool = True, timeout: float = 30.0, input: str | None = None
     ) -> subprocess.CompletedProcess[str]:

@@ -40,7 +40,7 @@ from apiserver import wait_until
 from container_spec import Image
 from control_plane import ControlPlane
 from kubelet import Kubelet, NodeIdentity
-from node_object import NODE
+from node_object import NODE, NodeSize
 from operator_identity import install_chart, operator_kubeconfig
 from processes import free_port
 
@@ -107,11 +107,18 @@ def node_identity(api: ControlPlane) -> NodeIdentity:
     )
 
 
+# The node the examples are written for: a rank of examples/smollm2-cpu.yaml requests 4 cores
+# and 6 GiB, as on a production node. This machine has 2 cores, so the local node declares the
+# node it stands in for: the scheduler's arithmetic is real, the cores are shared.
+EXAMPLE_NODE = NodeSize(cpus=16, memory="64Gi")
+
+
 class LocalCluster:
     """Control plane + kubelet + operator; see the module docstring.
 
-    `operator=False` leaves the operator out (a test of the node alone); `gpus` gives the node
-    that many `nvidia.com/gpu` in its capacity (nothing runs them).
+    `operator=False` leaves the operator out (a test of the node alone); `node` is what the
+    node declares to the scheduler (`EXAMPLE_NODE` unless given; `node_object.this_machine()`
+    for this machine's own figures), GPUs included (nothing runs them).
     """
 
     def __init__(
@@ -121,14 +128,14 @@ class LocalCluster:
         operator_timer: float = 2.0,
         *,
         operator: bool = True,
-        gpus: int = 0,
+        node: NodeSize = EXAMPLE_NODE,
     ) -> None:
         self.folder = folder
         self.api = ControlPlane(folder / "control-plane")
         self.kubelet: Kubelet | None = None
         self.operator: subprocess.Popen[bytes] | None = None
         self._backoff_base, self._timer = backoff_base, operator_timer
-        self._with_operator, self._gpus = operator, gpus
+        self._with_operator, self._node = operator, node
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> LocalCluster:
@@ -143,7 +150,7 @@ class LocalCluster:
                 self.folder / "node",
                 images,
                 self._backoff_base,
-                gpus=self._gpus,
+                size=self._node,
             )
             self.kubelet.start()
             self._stack.callback(self.kubelet.stop)
@@ -195,7 +202,10 @@ class LocalCluster:
             "COREFLEET_OPERATOR_TIMER_SECONDS": str(self._timer),
         }
         operator = str(pathlib.Path(sys.executable).parent / "corefleet-operator")
-        argv = self.with_node_dns([operator, "--standalone", "-n", "default", "--liveness", ""])
+        # As the chart's Deployment runs it without watchNamespaces: every namespace, which is
+        # what its ClusterRole allows (with `-n`, kopf would list namespaces, and be refused).
+        argv = [operator, "--standalone", "--all-namespaces", "--liveness", ""]
+        argv = self.with_node_dns(argv)
         with open(self.operator_log, "ab") as log:
             return subprocess.Popen(
                 argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=self.folder

@@ -56,8 +56,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def apply_crd(api: ControlPlane, path: Path = CRD_FILE) -> None:
     """`kubectl apply` a CRD file and wait until its kinds are served."""
-    api.kubectl("apply", "-f", str(path), timeout=60)
-    api.kubectl("wait", "--for=condition=Established", "-f", str(path), "--timeout=60s", timeout=90)
+    api.apply_crds(path)
 
 
 @pytest.fixture

@@ -41,7 +41,7 @@ from container_spec import Image
 from kubeapi import KubeApi
 from kubelet_server import KubeletServer
 from netns import PodNetwork
-from node_object import NODE, heartbeat, register
+from node_object import NODE, NodeSize, heartbeat, register, this_machine
 from pod_worker import PodWorker
 
 logger = logging.getLogger("kubelet")
@@ -71,11 +71,12 @@ class Kubelet:
         probe_period_cap: float = 1.0,
         sync_interval: float = 0.2,
         stop_grace: float = 10.0,
-        gpus: int = 0,
+        size: NodeSize | None = None,
     ) -> None:
         self.identity, self.root, self.images = identity, root, images
         self.backoff_base, self.probe_period_cap = backoff_base, probe_period_cap
-        self.sync_interval, self.stop_grace, self.gpus = sync_interval, stop_grace, gpus
+        self.sync_interval, self.stop_grace = sync_interval, stop_grace
+        self.size = size or this_machine()
         self.node_hosts = root / "node-hosts"
         self.workers: dict[str, PodWorker] = {}  # by pod uid
         self.network: PodNetwork | None = None
@@ -153,7 +154,7 @@ class Kubelet:
         ):
             try:
                 await server.start()
-                await register(api, "127.0.0.1", identity.port, self.gpus)
+                await register(api, "127.0.0.1", identity.port, self.size)
                 await heartbeat(api)
             except BaseException as exc:
                 self._start_error = exc

@@ -1,8 +1,9 @@
 """The local kubelet's Node object and heartbeat, as a real kubelet keeps them.
 
 `node_document` is what the kubelet registers (POST /api/v1/nodes): the well-known labels, the
-addresses where the API server reaches its log endpoint, capacity and allocatable (this
-machine's cores and memory, 110 pods, and `nvidia.com/gpu` when the test gives the node GPUs),
+addresses where the API server reaches its log endpoint, capacity and allocatable (a
+`NodeSize`: this machine's cores and memory unless the harness declares the node it stands in
+for, 110 pods, and `nvidia.com/gpu` when the test gives the node GPUs),
 the Ready condition and the node's info. The real scheduler places pods by these figures, and
 the node lifecycle controller watches `heartbeat`'s Lease in `kube-node-lease`: a node that
 stops renewing it is marked NotReady and its pods evicted, as on a cluster.
@@ -14,6 +15,7 @@ import datetime
 import os
 import platform
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from kubeapi import ApiError, KubeApi
@@ -22,6 +24,20 @@ NODE = "corefleet-local"
 GPU = "nvidia.com/gpu"
 LEASE_SECONDS = 40
 KUBELET_VERSION = "v1.36.3"
+
+
+@dataclass(frozen=True)
+class NodeSize:
+    """What the node tells the scheduler it has: cores, memory (a quantity), GPUs."""
+
+    cpus: int
+    memory: str
+    gpus: int = 0
+
+
+def this_machine(gpus: int = 0) -> NodeSize:
+    """This machine's own cores and memory."""
+    return NodeSize(os.cpu_count() or 1, f"{_memory_kib()}Ki", gpus)
 
 
 def micro_now() -> str:
@@ -80,16 +96,16 @@ def node_conditions(now: str) -> list[dict[str, str]]:
     return conditions
 
 
-def node_status(address: str, port: int, gpus: int, now: str) -> dict[str, Any]:
+def node_status(address: str, port: int, size: NodeSize, now: str) -> dict[str, Any]:
     """The node's `status`: capacity, conditions, addresses and the log endpoint."""
     capacity = {
-        "cpu": str(os.cpu_count() or 1),
-        "memory": f"{_memory_kib()}Ki",
+        "cpu": str(size.cpus),
+        "memory": size.memory,
         "pods": "110",
         "ephemeral-storage": "100Gi",
     }
-    if gpus:
-        capacity[GPU] = str(gpus)
+    if size.gpus:
+        capacity[GPU] = str(size.gpus)
     return {
         "capacity": capacity,
         "allocatable": dict(capacity),
@@ -114,20 +130,20 @@ def node_status(address: str, port: int, gpus: int, now: str) -> dict[str, Any]:
     }
 
 
-def node_document(address: str, port: int, gpus: int) -> dict[str, Any]:
+def node_document(address: str, port: int, size: NodeSize) -> dict[str, Any]:
     """The Node the kubelet registers."""
     return {
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {"name": NODE, "labels": node_labels()},
         "spec": {},
-        "status": node_status(address, port, gpus, micro_now()[:19] + "Z"),
+        "status": node_status(address, port, size, micro_now()[:19] + "Z"),
     }
 
 
-async def register(api: KubeApi, address: str, port: int, gpus: int) -> None:
+async def register(api: KubeApi, address: str, port: int, size: NodeSize) -> None:
     """Create the Node, or take over the one a previous kubelet of this name left."""
-    document = node_document(address, port, gpus)
+    document = node_document(address, port, size)
     try:
         await api.call("POST", "/api/v1/nodes", document)
     except ApiError as err:
@@ -145,7 +161,7 @@ async def register(api: KubeApi, address: str, port: int, gpus: int) -> None:
     )
 
 
-async def heartbeat(api: KubeApi, node_uid: str | None = None) -> None:
+async def heartbeat(api: KubeApi) -> None:
     """Renew the node's Lease (create it the first time), as the kubelet does every 10 s."""
     path = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{NODE}"
     lease: Mapping[str, Any] | None = await api.call("GET", path, ok_missing=True)

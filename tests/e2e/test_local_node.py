@@ -1,6 +1,7 @@
-"""The local node on its own (no operator, no model): pods as processes in their own network
-namespaces, Service DNS, probes, restarts, graceful termination, Deployments, scheduling, and
-nothing left behind. Small shell containers, so the whole file runs in well under a minute.
+"""The local node on its own (no operator, no model) in a real control plane: pods as processes
+in their own network namespaces, Service DNS, probes, restarts, graceful termination, the real
+scheduler's and controller manager's work on them (placement, Deployments, rolling updates),
+and nothing left behind. Small shell containers.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 from cluster import LocalCluster, wait_for
 from netns import can_create_namespaces
+from node_object import this_machine
 
 _why_not = can_create_namespaces()
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(_why_not is not None, reason=str(_why_not))]
@@ -26,8 +28,9 @@ PODS = "/api/v1/namespaces/default/pods"
 
 @pytest.fixture
 def node(tmp_path: pathlib.Path) -> Iterator[LocalCluster]:
-    """The harness with a 1 s restart back-off; checks that it leaves no namespace behind."""
-    with LocalCluster(tmp_path, backoff_base=1.0) as cluster:
+    """The node with a 1 s restart back-off and this machine's own size, on a real control plane
+    without the operator; checks that it leaves no namespace behind."""
+    with LocalCluster(tmp_path, backoff_base=1.0, operator=False, node=this_machine()) as cluster:
         assert cluster.kubelet is not None and cluster.kubelet.network is not None
         prefix = cluster.kubelet.network.prefix
         yield cluster
