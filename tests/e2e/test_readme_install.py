@@ -1,10 +1,10 @@
 """The README's operator install, run as written on a fresh API server (issue 18's "Show").
 
 Every command of the README's first block under "On Kubernetes: the operator" runs in order
-against an emulator that, like a real kube-apiserver, serves a custom kind only once its CRD is
-established (here half a second after it is created, so an install that applies objects before
-their kinds are served fails). Then the README's example is applied and the operator, started
-by the README's own command line, must create its rank pods and join its peering.
+against a fresh real control plane (kube-apiserver serves a custom kind only once its CRD is
+established, so an install that applies objects before their kinds are served fails), as the
+cluster's admin, as a reader would. Then the README's example is applied and the operator,
+started by the README's own command line, must create its rank pods and join its peering.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import signal
 import subprocess
 import sys
 
-from apiserver import REPO, ApiServer, wait_until
+from apiserver import wait_until
+from control_plane import REPO, ControlPlane
 
 README = REPO / "README.md"
 SECTION = "## On Kubernetes: the operator"
@@ -43,7 +44,9 @@ def _absolute(word: str) -> str:
     return str(path) if not word.startswith("-") and path.exists() else word
 
 
-def _start_operator(api: ApiServer, argv: list[str], log: pathlib.Path) -> subprocess.Popen[bytes]:
+def _start_operator(
+    api: ControlPlane, argv: list[str], log: pathlib.Path
+) -> subprocess.Popen[bytes]:
     command = str(pathlib.Path(sys.executable).parent / argv[0])
     # The liveness endpoint stays off: a test must not take the node's port 8080.
     with open(log, "ab") as out:
@@ -60,7 +63,7 @@ def test_the_readme_install_applies_in_one_go_on_a_fresh_server(tmp_path: pathli
     assert [c[0] for c in commands][-1] == "corefleet-operator", commands
     log = tmp_path / "operator.log"
     operator: subprocess.Popen[bytes] | None = None
-    with ApiServer(tmp_path / "api", crds=(), crd_establish_seconds=0.5) as api:
+    with ControlPlane(tmp_path / "api", scheduler=False) as api:
         try:
             for argv in commands:
                 if argv[0] == "kubectl":
@@ -69,11 +72,11 @@ def test_the_readme_install_applies_in_one_go_on_a_fresh_server(tmp_path: pathli
                     operator = _start_operator(api, argv, log)
             api.kubectl("apply", "-f", str(REPO / EXAMPLE))
             wait_until(
-                lambda: api.emu.obj("v1/pods", "default", "smollm2-engine-0"),
+                lambda: api.obj("v1/pods", "default", "smollm2-engine-0"),
                 120,
                 what="the operator to create rank 0's pod",
             )
-            peering = api.emu.obj("kopf.dev/v1/clusterkopfpeerings", "", "corefleet-operator")
+            peering = api.obj("kopf.dev/v1/clusterkopfpeerings", "", "corefleet-operator")
             assert peering is not None and (peering.get("status") or {}), peering
         finally:
             if operator is not None:
