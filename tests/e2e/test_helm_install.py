@@ -14,20 +14,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import pathlib
 import shlex
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
 from apiserver import wait_until
 from control_plane import REPO, ControlPlane
-from operator_identity import CHART, helm, operator_kubeconfig
+from operator_identity import CHART, deployment_argv, helm, operator
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 README = REPO / "README.md"
@@ -69,40 +66,6 @@ def readme_helm_commands() -> list[list[str]]:
     )
     lines = block.split("```")[0].splitlines()
     return [shlex.split(line, comments=True) for line in lines if shlex.split(line, comments=True)]
-
-
-def deployment_argv(api: ControlPlane, namespace: str, name: str) -> list[str]:
-    """The operator Deployment's command and args, with the liveness endpoint off (several
-    replicas on one machine would share its port)."""
-    deployment = api.obj("apps/v1/deployments", namespace, name)
-    assert deployment is not None, f"no Deployment {namespace}/{name}"
-    container = deployment["spec"]["template"]["spec"]["containers"][0]
-    args = [a for a in container["args"] if not a.startswith("--liveness")]
-    binary = str(pathlib.Path(sys.executable).parent / container["command"][0])
-    return [binary, *args, "--liveness="]
-
-
-@contextlib.contextmanager
-def operator(
-    api: ControlPlane, argv: Sequence[str], log: pathlib.Path, pod_id: str
-) -> Iterator[subprocess.Popen[bytes]]:
-    """The operator as the chart's ServiceAccount (a token from the TokenRequest API); POD_ID
-    is kopf's peering identity, as a pod's name would be."""
-    config = operator_kubeconfig(api, log.with_suffix(".kubeconfig"))
-    env = {**os.environ, "KUBECONFIG": str(config), "POD_ID": pod_id}
-    env["COREFLEET_OPERATOR_ADMIN_PROBE"] = "0"  # no coordinator runs: nothing to probe
-    with open(log, "ab") as out:
-        process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        yield process
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(10)
 
 
 def children_missing(api: ControlPlane, namespace: str) -> list[str]:
