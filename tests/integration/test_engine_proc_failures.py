@@ -170,6 +170,19 @@ def test_a_silent_engine_is_declared_dead_after_the_heartbeat_timeout(tiny: Path
         client.shutdown()
 
 
+def _wait_blocked_in(thread: threading.Thread, function: str, timeout: float = 30.0) -> None:
+    """Poll the thread's stack until `function` is on it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(thread.ident or -1)
+        while frame is not None:
+            if frame.f_code.co_name == function:
+                return
+            frame = frame.f_back
+        time.sleep(0.01)
+    raise AssertionError(f"{thread.name} never blocked in {function}")
+
+
 def test_sigkill_fails_every_pending_call_with_engine_dead(tiny: Path, tmp_path: Path) -> None:
     client = _start_slow(tiny, tmp_path)
     errors: list[BaseException] = []
@@ -190,7 +203,10 @@ def test_sigkill_fails_every_pending_call_with_engine_dead(tiny: Path, tmp_path:
         ]
         for waiter in waiters:
             waiter.start()
-        time.sleep(0.2)
+        # Both calls must be pending when the engine dies, not made after: wait until each
+        # waiter is blocked inside its call.
+        for waiter, inside in zip(waiters, ("call_utility", "get_output"), strict=True):
+            _wait_blocked_in(waiter, inside)
         assert client.call_utility("get_num_unfinished_requests") == 32
         os.kill(_pid(client), signal.SIGKILL)
         for waiter in waiters:  # the reader alone would wait 30 s for its request

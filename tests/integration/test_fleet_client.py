@@ -94,7 +94,14 @@ def test_requests_spread_survive_a_drain_and_migrate_off_a_dead_rank(tmp_path: P
                 )
                 for i in range(6)
             ]
-            await asyncio.sleep(0.05)
+            # Drain a rank that holds some of them: rank 0 streaming, as rank 1 was above.
+            await until(
+                lambda: any(
+                    s.rank == 0 and len(s.generated) >= 1 for s in fleet._requests.values()
+                ),
+                10,
+                "rank 0 streaming",
+            )
             procs[0].send_signal(signal.SIGTERM)
             late = [
                 asyncio.create_task(

@@ -128,6 +128,24 @@ def test_ranks_rejoin_a_restarted_coordinator_without_reloading(tmp_path: Path) 
     run_with_processes(scenario)
 
 
+def _count_dials(port: int, wanted: int, timeout: float) -> int:
+    """Accept and drop connections on `port` until `wanted` came (or `timeout` passed)."""
+    seen = 0
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        listener.settimeout(timeout)
+        while seen < wanted:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                break
+            conn.close()
+            seen += 1
+    return seen
+
+
 def test_a_rank_started_before_its_coordinator_joins_when_it_comes_up(tmp_path: Path) -> None:
     model = write_tiny_llama(tmp_path / "m")
     with socket.socket() as s:  # a port nobody listens on yet
@@ -136,8 +154,10 @@ def test_a_rank_started_before_its_coordinator_joins_when_it_comes_up(tmp_path: 
 
     async def scenario(procs: list[subprocess.Popen[bytes]]) -> None:
         procs.append(spawn_rank(model, port, 0))
-        await asyncio.sleep(4.0)  # the rank loads nothing yet: it waits for INIT, retrying
-        assert procs[0].poll() is None
+        # The rank loads nothing yet: it dials the handshake port and keeps dialling. Seen here
+        # as two connections to a bare listener that hangs up on each (no coordinator behind).
+        dials = await asyncio.to_thread(_count_dials, port, 2, 60.0)
+        assert dials == 2 and procs[0].poll() is None
         server = FleetServer(
             "127.0.0.1",
             "127.0.0.1",
