@@ -1,13 +1,27 @@
-"""Processes of the local control plane: free ports, start with a log file, stop for sure."""
+"""Processes of the local control plane: free ports, start with a log file, stop for sure.
+
+A component dies with the process that started it (PR_SET_PDEATHSIG): a test run killed
+outright (a CI timeout, a SIGKILL) leaves no API server or etcd behind.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import pathlib
 import signal
 import socket
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec. SIGKILL: a component that outlived its test
+    # has nothing to shut down gracefully for.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
 def free_port() -> int:
@@ -35,6 +49,7 @@ class Component:
                 stdin=subprocess.DEVNULL,
                 env=dict(env) if env is not None else None,
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
 
     def check_alive(self) -> None:
