@@ -13,11 +13,14 @@ import pathlib
 import shutil
 import ssl
 import subprocess
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import yaml
 
 JSON = "application/json"
 MERGE = "application/merge-patch+json"
@@ -119,11 +122,35 @@ class AdminClient:
         _, obj = self.request("PATCH", url, {"status": status}, content_type=MERGE, expect=200)
         return obj  # type: ignore[no-any-return]
 
-    def apply_crds(self, path: pathlib.Path) -> None:
-        """`kubectl apply` a file (or folder) of CRDs and wait until their kinds are served."""
+    def apply_crds(self, path: pathlib.Path, timeout: float = 120.0) -> None:
+        """`kubectl apply` a file (or folder) of CRDs and wait until their kinds are served.
+
+        Polled through the API: `kubectl wait --for=condition=Established` fails at once when
+        it reads a CRD the server has not given any condition yet (kubernetes/kubernetes#66439).
+        """
         self.kubectl("apply", "-f", str(path), timeout=60)
-        wait = ("wait", "--for=condition=Established", "-f", str(path), "--timeout=60s")
-        self.kubectl(*wait, timeout=90)
+        self.wait_crds_established(path, timeout=timeout)
+
+    def wait_crds_established(self, *paths: pathlib.Path, timeout: float = 120.0) -> None:
+        """Wait until every CRD in the files (or folders of files) is Established."""
+        files = [f for p in paths for f in (sorted(p.glob("*.yaml")) if p.is_dir() else [p])]
+        for doc in (d for f in files for d in yaml.safe_load_all(f.read_text()) if d):
+            if doc.get("kind") == "CustomResourceDefinition":
+                self.wait_established(doc["metadata"]["name"], timeout)
+
+    def wait_established(self, crd: str, timeout: float = 120.0) -> None:
+        """Wait until the CRD `crd` has Established=True."""
+        url = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd}"
+
+        def established() -> bool:
+            conditions = ((self.get(url) or {}).get("status") or {}).get("conditions") or []
+            return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+        deadline = time.monotonic() + timeout
+        while not established():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout}s waiting for {crd} Established")
+            time.sleep(0.1)
 
     def kubectl(
         self, *args: str, check: bool = True, timeout: float = 30.0, input: str | None = None

@@ -22,7 +22,7 @@ import yaml
 
 from corefleet.engine.models.default_model import DEFAULT_GGUF_NAME
 from corefleet.operator import resources
-from corefleet.operator.naming import Owner, coordinator_name
+from corefleet.operator.naming import Owner, coordinator_name, curve_secret_name
 from corefleet.operator.spec import GROUP, KIND
 from tests.deploy.examples_support import (
     APPLICATION,
@@ -127,18 +127,70 @@ def test_engine_model_comes_from_the_image_or_a_claim_in_the_same_file(
         assert claim in claims, f"{file} mounts claim {claim!r} but does not define it"
 
 
-@pytest.mark.parametrize("doc", params_of(ENGINE))
+def _secrets_read(children: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    """(Secret, key, env variable) of every secretKeyRef in the children's containers, and
+    (Secret, "", "volume") of every secret volume."""
+    found: set[tuple[str, str, str]] = set()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            ref = (value.get("valueFrom") or {}).get("secretKeyRef")
+            if ref is not None:
+                found.add((ref["name"], ref["key"], value["name"]))
+            if isinstance(value.get("secret"), dict) and "secretName" in value["secret"]:
+                found.add((value["secret"]["secretName"], "", "volume"))
+            for sub in value.values():
+                walk(sub)
+        elif isinstance(value, list):
+            for sub in value:
+                walk(sub)
+
+    walk(children)
+    return found
+
+
+def _user_secrets(doc: Mapping[str, Any]) -> set[tuple[str, str, str]]:
+    """The Secrets the engine's pods read that the operator does not create itself (it makes
+    NAME-curve): the ones a user must provide."""
+    owner = Owner(name=name_of(doc), namespace="default", uid="0b1c2d3e-uid")
+    spec = parsed(doc)
+    children = [*resources.build_children(owner, spec), resources.build_engine_pod(owner, spec, 0)]
+    return {s for s in _secrets_read(children) if s[0] != curve_secret_name(owner.name)}
+
+
+def _api_key_ref(doc: Mapping[str, Any]) -> Any:
+    return ((doc.get("spec") or {}).get("coordinator") or {}).get("apiKeySecretRef")
+
+
+WITH_API_KEY = [p for p in params_of(ENGINE) if _api_key_ref(p.values[0]) is not None]
+WITHOUT_API_KEY = [p for p in params_of(ENGINE) if _api_key_ref(p.values[0]) is None]
+
+
+def test_the_examples_show_an_engine_with_and_one_without_an_api_key() -> None:
+    assert WITH_API_KEY and WITHOUT_API_KEY
+    assert len(WITH_API_KEY) + len(WITHOUT_API_KEY) == len(ENGINES)
+
+
+@pytest.mark.parametrize("doc", WITH_API_KEY)
 def test_engine_api_key_secret_is_defined_or_its_creation_explained(
     doc: Mapping[str, Any],
 ) -> None:
     ref = parsed(doc).coordinator.api_key_secret_ref
-    if ref is None:
-        return
+    assert ref is not None
+    # The coordinators read the key from that Secret, and no pod reads another user Secret.
+    assert _user_secrets(doc) == {(ref.name, ref.key, "COREFLEET_API_KEY")}
     (file,) = [f for f, _, d in DOCS if d is doc]
     secrets = {name_of(d) for _, _, d in DOCS if d["kind"] == "Secret"}
     text = (EXAMPLES / file).read_text()
     create = f"kubectl create secret generic {ref.name} --from-literal={ref.key}="
     assert ref.name in secrets or create in text, f"{file}: say how to create Secret {ref.name}"
+
+
+@pytest.mark.parametrize("doc", WITHOUT_API_KEY)
+def test_engine_without_an_api_key_needs_no_secret_of_the_user(doc: Mapping[str, Any]) -> None:
+    # Its API is open, and nothing waits on a Secret: `kubectl apply -f` of the file alone runs.
+    assert parsed(doc).coordinator.api_key_secret_ref is None
+    assert _user_secrets(doc) == set()
 
 
 def test_readme_coordinator_autoscaling_block_applies_to_the_gpu_example() -> None:

@@ -50,13 +50,7 @@ def install_chart(api: ControlPlane) -> None:
     api.request("POST", "/api/v1/namespaces", {"metadata": {"name": NAMESPACE}}, expect=(201, 409))
     docs = [doc for doc in rendered_chart() if doc.get("kind") != "Deployment"]
     api.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs), timeout=60)
-    api.kubectl(
-        "wait",
-        "--for=condition=Established",
-        "crd/inferenceengines.corefleet.dev",
-        "--timeout=60s",
-        timeout=90,
-    )
+    api.wait_established("inferenceengines.corefleet.dev")
 
 
 def service_account_token(api: ControlPlane, namespace: str, name: str) -> str:

@@ -1,5 +1,6 @@
-"""The official `kubernetes` Python client against the e2e API server, through its kubeconfig:
-what a user's script or another controller would do with an InferenceEngine."""
+"""The official `kubernetes` Python client against a real kube-apiserver, through the admin
+kubeconfig (TLS, client certificate): what a user's script or another controller would do with an
+InferenceEngine."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import threading
 
 import pytest
 import yaml
-from apiserver import ApiServer
+from control_plane import ControlPlane
 
 kubernetes = pytest.importorskip("kubernetes")
 pytestmark = pytest.mark.e2e
@@ -17,11 +18,11 @@ GROUP, VERSION, PLURAL = "corefleet.dev", "v1alpha1", "inferenceengines"
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "smollm2-cpu.yaml"
 
 
-def _client(server: ApiServer) -> kubernetes.client.ApiClient:
+def _client(server: ControlPlane) -> kubernetes.client.ApiClient:
     return kubernetes.config.new_client_from_config(config_file=str(server.kubeconfig))
 
 
-def test_custom_objects_create_get_scale_and_patch_status(api_server: ApiServer) -> None:
+def test_custom_objects_create_get_scale_and_patch_status(api_server: ControlPlane) -> None:
     api = kubernetes.client.CustomObjectsApi(_client(api_server))
     body = yaml.safe_load(EXAMPLE.read_text())
     created = api.create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, body)
@@ -41,7 +42,7 @@ def test_custom_objects_create_get_scale_and_patch_status(api_server: ApiServer)
     assert missing.value.status == 404
 
 
-def test_core_api_lists_and_watches_pods(api_server: ApiServer) -> None:
+def test_core_api_lists_and_watches_pods(api_server: ControlPlane) -> None:
     core = kubernetes.client.CoreV1Api(_client(api_server))
     pod = {
         "apiVersion": "v1",
@@ -53,7 +54,7 @@ def test_core_api_lists_and_watches_pods(api_server: ApiServer) -> None:
 
     def watch() -> None:
         stream = kubernetes.watch.Watch().stream(
-            core.list_namespaced_pod, "default", label_selector="app=x", timeout_seconds=5
+            core.list_namespaced_pod, "default", label_selector="app=x", timeout_seconds=120
         )
         for event in stream:
             seen.append(f"{event['type']} {event['object'].metadata.name}")
@@ -63,7 +64,7 @@ def test_core_api_lists_and_watches_pods(api_server: ApiServer) -> None:
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     core.create_namespaced_pod("default", pod)
-    watcher.join(10)
+    watcher.join(150)
     assert seen == ["ADDED p"]
     names = [
         p.metadata.name for p in core.list_namespaced_pod("default", label_selector="app=x").items
