@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import os
 import ssl
 import tempfile
@@ -122,8 +123,13 @@ class KubeClient:
         async with self._session.request(
             method, url, json=body, headers=headers, ssl=self._ssl
         ) as resp:
-            data = await resp.json(content_type=None) if resp.content_length != 0 else None
-            return resp.status, data
+            text = await resp.text() if resp.content_length != 0 else ""
+        if not text.strip():
+            return resp.status, None
+        try:
+            return resp.status, json.loads(text)
+        except ValueError:  # not JSON: a real server's "404 page not found" for a group it lacks
+            return resp.status, text
 
     @staticmethod
     def _check(status: int, data: Any, allowed: tuple[int, ...]) -> Any:
