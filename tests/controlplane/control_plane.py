@@ -129,7 +129,7 @@ class ControlPlane(AdminClient):
             self._start_etcd()
             self._start_apiserver()
             if self._with_kcm:
-                self._start_controller_manager()
+                self.start_controller_manager()
             if self._with_scheduler:
                 config = self._user_kubeconfig("scheduler", "system:kube-scheduler")
                 self._start(
@@ -261,7 +261,9 @@ class ControlPlane(AdminClient):
             return status == 200
         return False
 
-    def _start_controller_manager(self) -> None:
+    def start_controller_manager(self) -> None:
+        """Start kube-controller-manager (done on entry unless `controller_manager=False`; later,
+        after a CRD is installed, its garbage collector knows the kind at once)."""
         config = self._user_kubeconfig("controller-manager", "system:kube-controller-manager")
         self._start(
             "kube-controller-manager",

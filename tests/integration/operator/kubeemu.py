@@ -18,19 +18,23 @@ is declared (kmock re-filters its request log per request). docs/local-cluster.m
 conventions and their tests.
 
 Pod deletion, three ways:
-- default: a pod without finalizers goes at once, like any object;
-- `pod_termination_seconds=S`: pods linger with a deletionTimestamp for S seconds, then go;
-- `kubelet_finalizes_pods=True`, as with a real kubelet: DELETE of a scheduled pod
-  (`spec.nodeName` set, not Succeeded/Failed) sets `deletionTimestamp` (now + grace) and
-  `deletionGracePeriodSeconds` (DeleteOptions' gracePeriodSeconds from the body or query, else
-  `spec.terminationGracePeriodSeconds`, else 30) and keeps the pod until a DELETE with
-  gracePeriodSeconds=0 (the kubelet's, once the containers stopped) removes it. Unscheduled or
-  finished pods go at once. Garbage collection deletes pods the same way.
+- default (`kubelet_finalizes_pods` True unless `pod_termination_seconds` is given), as the real
+  server: DELETE of a scheduled pod (`spec.nodeName` set, not Succeeded/Failed) sets
+  `deletionTimestamp` (now + grace) and `deletionGracePeriodSeconds` (DeleteOptions'
+  gracePeriodSeconds from the body or query, else `spec.terminationGracePeriodSeconds`, else 30)
+  and keeps the pod until a DELETE with gracePeriodSeconds=0 (the kubelet's, once the containers
+  stopped) removes it. Unscheduled or finished pods go at once. Garbage collection deletes pods
+  the same way;
+- `pod_termination_seconds=S`: every pod lingers with a deletionTimestamp for S seconds, then
+  goes (a stand-in kubelet, for tests of draining without one);
+- `kubelet_finalizes_pods=False`: a pod without finalizers goes at once, like any object.
 In every mode finalizers hold an object until they are removed.
 
-Not emulated: controllers (tests or the e2e kubelet play them), schema validation and CEL (see
-tests/unit/operator/test_operator_crd.py), server-side apply, protobuf bodies, dryRun, RBAC
-and admission, namespace existence, CRD versions' conversion. Such requests, like every refused
+Custom resources are pruned, defaulted and validated (schema and CEL) as the real server does
+(`kubeemu_schema`); `test_kubeemu_differential.py` holds the emulator's answers to the real
+server's. Not emulated: controllers (tests or the e2e kubelet play them), validation of built-in
+kinds (but names), server-side apply, protobuf bodies, dryRun, RBAC and admission, namespace
+existence, CRD versions' conversion. Such requests, like every refused
 one, get a `v1 Status` answer with the real server's code and reason (`kubeemu_request`).
 """
 
@@ -39,8 +43,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import uuid
-from collections.abc import Mapping
 from typing import Any
 
 import aiohttp.web
@@ -49,45 +53,35 @@ import kmock
 from kubeemu_crds import CRDS, CrdControllers
 from kubeemu_discovery import ResourceType
 from kubeemu_lifecycle import Key, Lifecycle
-from kubeemu_model import (
-    apply_kind_defaults,
-    fields_match,
-    labels_match,
-    now_rfc3339,
-)
+from kubeemu_model import now_rfc3339
 from kubeemu_openapi import OpenApiScaffold
 from kubeemu_pods import PodEndpoints, PodLogs
-from kubeemu_printers import printer_for
+from kubeemu_reads import Reads, _gv
 from kubeemu_request import (
     StatusError,
+    already_exists,
     check_content_type,
-    check_name,
     check_not_dry_run,
     delete_options,
     json_body,
     not_found,
+    object_details,
     resource_name,
     response_format,
 )
-from kubeemu_table import to_table
-from kubeemu_watch import Event, EventLog, stream
+from kubeemu_watch import EventLog
 from kubeemu_writes import (
     check_finalizers,
     check_resource_version,
+    checked,
     isolated,
     next_generation,
     patched,
-    scale_view,
+    tracks_generation,
 )
 
 __all__ = ["KubeEmu", "ResourceType"]
 OBJECT_VIEWS = (None, "status", "scale")  # subresources read and written as (part of) the object
-
-
-def _gv(request: kmock.Request) -> str:
-    res = request.resource
-    assert res is not None
-    return f"{res.group}/{res.version}" if res.group else str(res.version)
 
 
 def _json(body: Any, status: int = 200) -> aiohttp.web.Response:
@@ -95,15 +89,15 @@ def _json(body: Any, status: int = 200) -> aiohttp.web.Response:
 
 
 @attrs.define(kw_only=True)
-class KubeEmu(PodEndpoints, CrdControllers, Lifecycle, OpenApiScaffold):
+class KubeEmu(Reads, PodEndpoints, CrdControllers, Lifecycle, OpenApiScaffold):
     """The emulator; serve it with `kubeemu_server.serve` or `ServedInThread`."""
 
-    pod_termination_seconds: float | None = None  # None: pods vanish at once when deleted
-    kubelet_finalizes_pods: bool = False  # True: scheduled pods wait for the kubelet's delete
+    pod_termination_seconds: float | None = None  # S: every deleted pod lingers S seconds
+    kubelet_finalizes_pods: bool | None = None  # scheduled pods wait for the kubelet's delete
     history_size: int = 5000  # watch events kept for resuming from a resourceVersion
     pod_logs: PodLogs | None = None  # serves `kubectl logs` (see kubeemu_pods)
     crd_establish_seconds: float = 0.0  # a CRD created through the API is served after this
-    bookmark_seconds: float = 1.0  # BOOKMARK events this often to watches that allow them
+    bookmark_seconds: float = 60.0  # a BOOKMARK after this long without an event, if allowed
 
     objects: dict[Key, dict[str, Any]] = attrs.field(factory=dict, init=False)
     deleted: list[dict[str, Any]] = attrs.field(factory=list, init=False)  # last states, in order
@@ -149,6 +143,8 @@ class KubeEmu(PodEndpoints, CrdControllers, Lifecycle, OpenApiScaffold):
         method, ns, name = request.method.value.upper(), request.namespace or "", request.name
         sub, rtype = request.subresource, self.types[path]
         if sub is not None and (name is None or sub not in rtype.subresources):
+            if rtype.crd is not None and name is not None:  # what the real server says
+                raise not_found(path, name)
             raise StatusError(
                 404, "NotFound", f"the server could not find the requested resource ({sub})"
             )
@@ -182,109 +178,9 @@ class KubeEmu(PodEndpoints, CrdControllers, Lifecycle, OpenApiScaffold):
         if method in ("PATCH", "PUT") and sub in OBJECT_VIEWS:
             return self._update(request, key, method)
         if method == "DELETE" and sub is None:
-            return _json(self._delete(key, delete_options(request.body, request.params)))
+            gone = self._delete(key, delete_options(request.body, request.params))
+            return _json(self._deleted_answer(key, gone))
         raise StatusError(405, "MethodNotAllowed", f"{method} on {resource_name(path)}/{sub}")
-
-    # --- reads
-    def _view(self, key: Key, subresource: str | None) -> dict[str, Any]:
-        obj = self.objects[key]
-        return scale_view(obj, self.types[key[0]]) if subresource == "scale" else obj
-
-    def _table(self, request: kmock.Request, path: str, objs: list[Any]) -> dict[str, Any]:
-        """A Table of objects; one object's Table carries that object's resourceVersion."""
-        printer = printer_for(path, self.types[path].printer_columns)
-        rv = objs[0]["metadata"]["resourceVersion"] if len(objs) == 1 else str(self._last_rv)
-        return to_table(printer, objs, request.params, rv)
-
-    def _selected(self, request: kmock.Request, path: str) -> list[tuple[Key, dict[str, Any]]]:
-        try:
-            fields_match({}, request.params.get("fieldSelector"))  # malformed: ValueError
-            return [
-                (k, o)
-                for k, o in sorted(self.objects.items())
-                if k[0] == path and self._matches(request, k[1], o)
-            ]
-        except ValueError as exc:
-            raise StatusError(400, "BadRequest", f"fieldSelector: {exc}") from exc
-
-    def _list(self, request: kmock.Request, path: str, fmt: str) -> dict[str, Any]:
-        items = [o for _, o in self._selected(request, path)]
-        if fmt == "table":
-            return self._table(request, path, items)
-        return {
-            "apiVersion": _gv(request),
-            "kind": f"{self.types[path].kind}List",
-            "metadata": {"resourceVersion": str(self._last_rv)},
-            "items": items,
-        }
-
-    def _matches(self, request: kmock.Request, ns: str, obj: Mapping[str, Any]) -> bool:
-        meta = obj.get("metadata") or {}
-        return (
-            (not request.namespace or ns == request.namespace)
-            and (request.name is None or meta.get("name") == request.name)
-            and labels_match(meta.get("labels") or {}, request.params.get("labelSelector"))
-            and fields_match(obj, request.params.get("fieldSelector"))
-        )
-
-    async def _watch(
-        self, request: kmock.Request, path: str, fmt: str
-    ) -> aiohttp.web.StreamResponse:
-        assert request._raw_request is not None
-        since = request.params.get("resourceVersion") or "0"
-        if not since.isdigit():
-            raise StatusError(400, "BadRequest", f"resourceVersion: invalid value {since!r}")
-        self._selected(request, path)  # validates the selectors
-        replay: list[dict[str, Any]] = []
-        expired: StatusError | None = None
-        if since == "0" or request.params.get("sendInitialEvents") == "true":
-            replay = [{"type": "ADDED", "object": o} for _, o in self._selected(request, path)]
-            if request.params.get("sendInitialEvents") == "true":
-                meta = {
-                    "resourceVersion": str(self._last_rv),
-                    "annotations": {"k8s.io/initial-events-end": "true"},
-                }
-                gvk = {"apiVersion": _gv(request), "kind": self.types[path].kind}
-                replay.append({"type": "BOOKMARK", "object": {**gvk, "metadata": meta}})
-        else:
-            try:
-                replay = self._events.since(path, int(since))
-            except StatusError as exc:
-                expired = exc
-        table = fmt == "table"
-
-        def shown(event: Event) -> Event | None:
-            obj = event["object"]
-            if event["type"] == "BOOKMARK":
-                return event
-            if not self._matches(request, (obj.get("metadata") or {}).get("namespace", ""), obj):
-                return None
-            return {**event, "object": self._table(request, path, [obj])} if table else event
-
-        timeout = float(request.params.get("timeoutSeconds") or 3600)
-        kind = {"apiVersion": _gv(request), "kind": self.types[path].kind}
-
-        def bookmark() -> Event:
-            return {
-                "type": "BOOKMARK",
-                "object": {**kind, "metadata": {"resourceVersion": str(self._last_rv)}},
-            }
-
-        marks = bookmark if request.params.get("allowWatchBookmarks") == "true" else None
-        queue = self._events.subscribe(path)
-        try:
-            return await stream(
-                request._raw_request,
-                replay,
-                queue,
-                shown,
-                timeout,
-                expired,
-                marks,
-                self.bookmark_seconds,
-            )
-        finally:
-            self._events.unsubscribe(path, queue)
 
     # --- writes
     def _create(self, request: kmock.Request, path: str, ns: str) -> aiohttp.web.Response:
@@ -302,9 +198,6 @@ class KubeEmu(PodEndpoints, CrdControllers, Lifecycle, OpenApiScaffold):
         meta = body.setdefault("metadata", {})
         if not meta.get("name") and meta.get("generateName"):
             meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
-        if not meta.get("name"):
-            raise StatusError(422, "Invalid", "metadata.name: Required value: name is required")
-        check_name(meta["name"])
         if rtype.crd is not None and self._crd_terminating(rtype.crd):
             why = "create not allowed while custom resource definition is terminating"
             raise StatusError(405, "MethodNotAllowed", why)
@@ -317,48 +210,53 @@ class KubeEmu(PodEndpoints, CrdControllers, Lifecycle, OpenApiScaffold):
                 "the namespace of the provided object does not match the namespace sent on the "
                 "request",
             )
-        key: Key = (path, ns, meta["name"])
-        if key in self.objects:
-            message = f'{resource_name(path)} "{meta["name"]}" already exists'
-            raise StatusError(409, "AlreadyExists", message, {"name": meta["name"]})
+        body.update(apiVersion=gv, kind=rtype.kind)
+        if "status" in rtype.subresources and path not in ("v1/namespaces", CRDS):
+            body.pop("status", None)
+        body = checked(path, rtype, body)
+        if path == CRDS:
+            self._crd_check(body)
+        meta = body["metadata"]
         if rtype.namespaced:
             meta["namespace"] = ns
-        meta.update(
-            uid=str(uuid.uuid4()),
-            creationTimestamp=now_rfc3339(),
-            generation=1,
-            resourceVersion=self._next_rv(),
-        )
-        body.update(apiVersion=gv, kind=rtype.kind)
-        if "status" in rtype.subresources and path != "v1/namespaces":
-            body.pop("status", None)
-        apply_kind_defaults(rtype.schema, rtype.defaults, body)
+        key: Key = (path, ns, meta["name"])
+        if key in self.objects:
+            raise already_exists(path, meta["name"])
+        meta.update(uid=str(uuid.uuid4()), creationTimestamp=now_rfc3339())
+        if tracks_generation(path, rtype):
+            meta["generation"] = 1
+        meta["resourceVersion"] = self._next_rv()
         if path == CRDS:
-            self._crd_created(body)  # its status; served now or once established
+            self._crd_created(body)  # answered before it is established
         self.objects[key] = body
         self._uids.add(meta["uid"])
         self._emit(path, "ADDED", body)
+        answer = _json(body, 201)
+        if path == CRDS:
+            self._crd_establish_soon(key)
         owners = meta.get("ownerReferences") or []
         if owners and not any(o.get("uid") in self._uids for o in owners):
             self._delete(key)  # garbage: every owner is already gone
-        return _json(body, 201)
+        return answer
 
     def _update(self, request: kmock.Request, key: Key, method: str) -> aiohttp.web.Response:
         current, rtype, sub = self.objects[key], self.types[key[0]], request.subresource
-        new, want_rv = patched(request, current, method, rtype)
+        new, want_rv = patched(request, current, method, rtype, key[0])
         check_resource_version(key[0], key[2], current, want_rv)
         new = isolated(rtype, key[0], sub, current, new)
         if not isinstance(new.get("metadata", {}), dict):
             raise StatusError(400, "BadRequest", "metadata must be an object")
         meta = new.setdefault("metadata", {})
         kept = ("uid", "creationTimestamp", "namespace", "name", "deletionTimestamp")
-        for field in (*kept, "deletionGracePeriodSeconds"):
+        for field in (*kept, "deletionGracePeriodSeconds", "generateName"):
             if field in current["metadata"]:
                 meta[field] = current["metadata"][field]
         new.update(apiVersion=current.get("apiVersion"), kind=current.get("kind"))
-        check_finalizers(current, new)
-        apply_kind_defaults(rtype.schema, rtype.defaults, new)
-        meta["generation"] = next_generation(rtype, current, new)
+        check_finalizers(key[0], rtype, current, new)
+        new = checked(key[0], rtype, new)
+        meta = new["metadata"]
+        if tracks_generation(key[0], rtype):
+            meta["generation"] = next_generation(rtype, current, new)
         meta["resourceVersion"] = self._next_rv()
         self.objects[key] = new
         self._emit(key[0], "MODIFIED", new)
@@ -367,6 +265,33 @@ class KubeEmu(PodEndpoints, CrdControllers, Lifecycle, OpenApiScaffold):
         if self._can_go(meta):
             self._remove(key)
         return _json(self._view(key, sub) if key in self.objects else new)
+
+    def _deleted_answer(self, key: Key, obj: dict[str, Any]) -> dict[str, Any]:
+        """What a DELETE answers: the object while something holds it (finalizers, a grace
+        period); once it is gone, a pod as its deletion left it, a Service as it was, anything
+        else a Status."""
+        meta = obj["metadata"]
+        held = self.objects.get(key)
+        if held is not None and held["metadata"]["uid"] == meta["uid"]:
+            return obj
+        if key[0] == "v1/services":
+            return obj
+        if key[0] == "v1/pods":  # graceful deletion, cut to 0 for a pod on no node
+            pod = json.loads(json.dumps(obj))
+            if not meta.get("deletionTimestamp"):
+                pod["metadata"]["deletionTimestamp"] = now_rfc3339()
+                pod["metadata"]["deletionGracePeriodSeconds"] = 0
+                if "generation" in meta:
+                    pod["metadata"]["generation"] = int(meta["generation"]) + 1
+            return pod
+        details = object_details(key[0], key[2], uid=meta["uid"])
+        return {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Success",
+            "details": details,
+        }
 
     def _delete_collection(self, request: kmock.Request, path: str) -> dict[str, Any]:
         options = delete_options(request.body, request.params)

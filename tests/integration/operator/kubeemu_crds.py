@@ -7,14 +7,17 @@ discovery does not list it, so kubectl says `ensure CRDs are installed first`.
 
 A CRD created through the API gets `status.acceptedNames`, `storedVersions` and the conditions
 `NamesAccepted` and `Established` (True, with the real controllers' reasons), and its kind is
-served from then on: at once by default (in the create itself, so no extra event), or, with
-`KubeEmu(crd_establish_seconds=S)`, S seconds later (a MODIFIED event of the CRD), which makes
+served from then on. The create answers the CRD as the real server does, before any of that
+(`conditions: null`, empty `acceptedNames`); the emulator establishes it right after (a MODIFIED
+event) by default, or, with `KubeEmu(crd_establish_seconds=S)`, S seconds later, which makes
 the window the real server has observable: `kubectl apply -f` of one file with a CRD and an
 object of its kind fails in it. (The real server serves a kind from NamesAccepted on and lists it
-in discovery from Established on; the emulator sets both at once.) The CRD's name must be
-`<plural>.<group>` (422 otherwise). Changing a CRD's spec re-registers its kind (schema, printer
-columns, subresources). `KubeEmu.register_crd` serves a kind without any CRD object, for tests
-that need no CRD lifecycle.
+in discovery from Established on; the emulator sets both at once.) The create refuses, with the
+real server's 422, a name other than `<plural>.<group>` and a schema whose root `metadata`
+says anything but `type: object` and `name`/`generateName` properties (`root_metadata_errors`);
+it defaults `spec.conversion` and the names' `singular` and `listKind`. Changing a CRD's spec
+re-registers its kind (schema, printer columns, subresources). `KubeEmu.register_crd` serves a
+kind without any CRD object, for tests that need no CRD lifecycle.
 
 Deleting a CRD: it gets the `customresourcecleanup.apiextensions.k8s.io` finalizer,
 `deletionTimestamp` and a `Terminating=True` condition; creating objects of its kind is refused
@@ -31,11 +34,34 @@ from typing import Any
 
 from kubeemu_discovery import ResourceType
 from kubeemu_model import now_rfc3339
-from kubeemu_request import StatusError
+from kubeemu_schema import FieldError, invalid
 
 Key = tuple[str, str, str]  # as in kubeemu_lifecycle
 CRDS = "apiextensions.k8s.io/v1/customresourcedefinitions"
 CLEANUP = "customresourcecleanup.apiextensions.k8s.io"
+
+
+def root_metadata_errors(versions: list[dict[str, Any]]) -> list[FieldError]:
+    """What the real server refuses on a schema's root `metadata`: anything but `type: object`
+    and `properties` of `name` and `generateName` (it is ObjectMeta, implicitly specified)."""
+    schemas = [((v.get("schema") or {}).get("openAPIV3Schema") or {}) for v in versions]
+    shared = len({repr(s) for s in schemas}) <= 1
+    errors = []
+    for i, schema in enumerate(schemas[:1] if shared else schemas):
+        meta = (schema.get("properties") or {}).get("metadata")
+        if meta is None:
+            continue
+        extra = set(meta) - {"type", "properties"} or meta.get("type") not in (None, "object")
+        props = set(meta.get("properties") or {}) - {"name", "generateName"}
+        if extra or props:
+            where = "spec.validation" if shared else f"spec.versions[{i}].schema"
+            why = (
+                "must not specify anything other than name and generateName, but metadata is "
+                "implicitly specified"
+            )
+            field = f"{where}.openAPIV3Schema.properties[metadata]"
+            errors.append(FieldError("Forbidden", field, detail=why))
+    return errors
 
 
 def condition(kind: str, reason: str, message: str) -> dict[str, str]:
@@ -71,32 +97,39 @@ class CrdControllers:
     register_crd: Callable[[Mapping[str, Any]], None]
     unregister_crd: Callable[[str], list[str]]
 
-    def _crd_created(self, crd: dict[str, Any]) -> None:
-        """Fill a new CRD's status (before it is stored); serve it now or later."""
+    def _crd_check(self, crd: dict[str, Any]) -> None:
+        """The real server's checks of a new CRD (422), and its spec's defaults."""
         spec = crd.get("spec") or {}
         names = spec.get("names") or {}
-        expected = f"{names.get('plural')}.{spec.get('group')}"
-        if crd["metadata"]["name"] != expected:
-            raise StatusError(
-                422,
-                "Invalid",
-                f'CustomResourceDefinition.apiextensions.k8s.io "{crd["metadata"]["name"]}" is '
-                f'invalid: metadata.name: Invalid value: "{crd["metadata"]["name"]}": must be '
-                'spec.names.plural+"."+spec.group',
-            )
+        name = str(crd["metadata"].get("name") or "")
+        errors = []
+        if name != f"{names.get('plural')}.{spec.get('group')}":
+            why = 'must be spec.names.plural+"."+spec.group'
+            errors.append(FieldError("Invalid", "metadata.name", name, why))
+        errors += root_metadata_errors(spec.get("versions") or [])
+        if errors:
+            details = {"group": "apiextensions.k8s.io", "kind": "CustomResourceDefinition"}
+            raise invalid("CustomResourceDefinition.apiextensions.k8s.io", name, errors, details)
+        if isinstance(names.get("kind"), str):
+            names.setdefault("singular", names["kind"].lower())
+            names.setdefault("listKind", f"{names['kind']}List")
+        spec.setdefault("conversion", {"strategy": "None"})
+
+    def _crd_created(self, crd: dict[str, Any]) -> None:
+        """A new CRD's status as the create answers it: nothing accepted or established yet."""
+        spec = crd.get("spec") or {}
         crd["status"] = {
+            "conditions": None,
             "acceptedNames": {"plural": "", "kind": ""},
-            "conditions": [],
             "storedVersions": [v["name"] for v in spec.get("versions") or [] if v.get("storage")],
         }
-        if self.crd_establish_seconds <= 0:
-            self._establish(crd)
-            return
-        name, uid = crd["metadata"]["name"], crd["metadata"]["uid"]
 
-        async def later() -> None:
-            await asyncio.sleep(self.crd_establish_seconds)
-            key: Key = (CRDS, "", name)
+    def _crd_establish_soon(self, key: Key) -> None:
+        """The apiextensions controllers' work on a new CRD: at once (after the create's answer),
+        or `crd_establish_seconds` later."""
+        uid = self.objects[key]["metadata"]["uid"]
+
+        def establish() -> None:
             current = self.objects.get(key)
             if current is None or current["metadata"]["uid"] != uid:
                 return
@@ -108,6 +141,14 @@ class CrdControllers:
             self.objects[key] = new
             self._emit(CRDS, "MODIFIED", new)
 
+        if self.crd_establish_seconds <= 0:
+            establish()
+            return
+
+        async def later() -> None:
+            await asyncio.sleep(self.crd_establish_seconds)
+            establish()
+
         task = asyncio.get_running_loop().create_task(later())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -117,7 +158,7 @@ class CrdControllers:
         names = dict(crd["spec"]["names"])
         names.setdefault("singular", names["kind"].lower())
         names.setdefault("listKind", f"{names['kind']}List")
-        crd["status"]["acceptedNames"] = names
+        crd.setdefault("status", {})["acceptedNames"] = names
         accepted = "the initial names have been accepted"
         crd["status"]["conditions"] = [
             condition("NamesAccepted", "NoConflicts", "no conflicts found"),

@@ -7,7 +7,9 @@ names, categories, subresources, schema for defaulting, the scale subresource's
 `specReplicasPath`, the printer columns), and the discovery answers fixed where kmock 0.8
 confuses clients: the core group's `groupVersion` is `v1`, subresources carry their own kind and
 verbs (`scale` is an `autoscaling/v1 Scale`, `pods/binding` is create only, `pods/log` get only)
-and no short names, and `/version` reports the kubectl generation in use (v1.32).
+and no short names, and `/version` reports the kubectl generation in use (v1.32). As on the real
+server, a request under `/apis/GROUP` for a group nothing serves gets `404 page not found` as
+plain text, and one for an unserved resource of a served group a `Status` (`UNKNOWN_RESOURCE`).
 `kubeemu.KubeEmu` adds the object store on top.
 """
 
@@ -62,8 +64,15 @@ IN_ALL = {"pods", "services", "deployments", "horizontalpodautoscalers"}  # `kub
 # What the real server's defaulting gives a built-in kind on every write (a path -> value where
 # the field is absent), for the fields something here reads: a Deployment without replicas (one
 # an HPA owns) has 1 (SetDefaults_Deployment).
-BUILTIN_DEFAULTS: dict[str, dict[str, Any]] = {"apps/v1/deployments": {".spec.replicas": 1}}
-UNKNOWN_RESOURCE = {  # what the real server answers for a resource or group it does not serve
+BUILTIN_DEFAULTS: dict[str, dict[str, Any]] = {
+    "apps/v1/deployments": {
+        ".spec.replicas": 1,
+        ".spec.strategy.type": "RollingUpdate",
+        ".spec.revisionHistoryLimit": 10,
+        ".spec.progressDeadlineSeconds": 600,
+    }
+}
+UNKNOWN_RESOURCE = {  # what the real server answers for a resource it does not serve
     "apiVersion": "v1",
     "kind": "Status",
     "metadata": {},
@@ -175,6 +184,14 @@ class DiscoveryScaffold(kmock.KubernetesScaffold):
             del self.types[path]
             del self.resources[path]
         return paths
+
+    async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        parts = request.url.path.strip("/").split("/")
+        groups = {key.group for key in self.resources if key.group}
+        if len(parts) >= 2 and parts[0] == "apis" and parts[1] not in groups:
+            # The real server's answer for a group nothing serves: not a Status, plain text.
+            return aiohttp.web.Response(status=404, text="404 page not found\n")
+        return await super()._handle(request)
 
     async def _render_error(self, exc: Exception) -> aiohttp.web.StreamResponse:
         if isinstance(exc, kmock.KubernetesNotFoundError):  # a path no served resource matches

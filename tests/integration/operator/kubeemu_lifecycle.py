@@ -50,7 +50,7 @@ class Lifecycle:
 
     # KubeEmu's fields (attrs ignores annotations of a plain base class)
     pod_termination_seconds: float | None
-    kubelet_finalizes_pods: bool
+    kubelet_finalizes_pods: bool | None
     objects: dict[Key, dict[str, Any]]
     types: dict[str, ResourceType]
     deleted: list[dict[str, Any]]
@@ -85,9 +85,15 @@ class Lifecycle:
             and not meta.get("deletionGracePeriodSeconds")
         )
 
+    def _kubelet_mode(self) -> bool:
+        """Whether scheduled pods wait for the kubelet's final DELETE (see `KubeEmu`)."""
+        if self.kubelet_finalizes_pods is None:
+            return self.pod_termination_seconds is None
+        return self.kubelet_finalizes_pods
+
     def _grace_seconds(self, key: Key, options: DeleteOptions) -> int:
         """How long a first DELETE lets the kubelet stop the pod (0: not graceful)."""
-        if key[0] != "v1/pods" or not self.kubelet_finalizes_pods:
+        if key[0] != "v1/pods" or not self._kubelet_mode():
             return 0
         pod = self.objects[key]
         if not get_path(pod, ".spec.nodeName"):
@@ -135,7 +141,7 @@ class Lifecycle:
         linger = (
             key[0] == "v1/pods"
             and self.pod_termination_seconds is not None
-            and not self.kubelet_finalizes_pods
+            and not self._kubelet_mode()
         )
         if grace or meta.get("finalizers") or linger:
             now = datetime.datetime.now(datetime.timezone.utc).timestamp()

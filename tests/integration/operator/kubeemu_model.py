@@ -191,12 +191,24 @@ def apply_defaults(schema: Mapping[str, Any], value: Any) -> Any:
 def apply_kind_defaults(
     schema: Mapping[str, Any] | None, fields: Mapping[str, Any], obj: dict[str, Any]
 ) -> None:
-    """Default an object on write: its CRD schema's defaults, or a built-in kind's `fields`."""
+    """Default an object on write: its CRD schema's defaults, or a built-in kind's `fields`
+    (a RollingUpdate strategy also gets its 25% surge and unavailability where unset)."""
     if schema is not None:
         apply_defaults(schema, obj)
     for dotted, value in fields.items():
         if get_path(obj, dotted) is None:
             set_path(obj, dotted, copy.deepcopy(value))
+    if "strategy" in fields_parents(fields) and get_path(obj, ".spec.strategy.type") == (
+        "RollingUpdate"
+    ):
+        for key in ("maxUnavailable", "maxSurge"):
+            if get_path(obj, f".spec.strategy.rollingUpdate.{key}") is None:
+                set_path(obj, f".spec.strategy.rollingUpdate.{key}", "25%")
+
+
+def fields_parents(fields: Mapping[str, Any]) -> set[str]:
+    """The second-level names of dotted default paths (`.spec.strategy.type` -> strategy)."""
+    return {path.strip(".").split(".")[1] for path in fields if path.count(".") >= 2}
 
 
 def get_path(obj: Any, dotted: str) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp.web
 import kmock
 from kubeemu_model import get_path, now_rfc3339
-from kubeemu_request import StatusError, conflict, json_body
+from kubeemu_request import StatusError, json_body
 
 Key = tuple[str, str, str]  # as in kubeemu_lifecycle
 PodLogs = Callable[[str, str, "str | None"], "str | None"]
@@ -38,8 +38,10 @@ class PodEndpoints:
             raise StatusError(400, "BadRequest", "a Binding needs target.name (the node)")
         pod = json.loads(json.dumps(self.objects[key]))
         if get_path(pod, ".spec.nodeName"):
-            why = f"pod {key[2]} is already assigned to node {pod['spec']['nodeName']!r}"
-            raise conflict(key[0], key[2], why)
+            why = f'pod {key[2]} is already assigned to node "{pod["spec"]["nodeName"]}"'
+            message = f'Operation cannot be fulfilled on pods/binding "{key[2]}": {why}'
+            details = {"name": key[2], "kind": "pods/binding"}
+            raise StatusError(409, "Conflict", message, details)
         pod.setdefault("spec", {})["nodeName"] = node
         conditions = [
             c
@@ -51,7 +53,8 @@ class PodEndpoints:
         pod["metadata"]["resourceVersion"] = self._next_rv()
         self.objects[key] = pod
         self._emit(key[0], "MODIFIED", pod)
-        success = {"apiVersion": "v1", "kind": "Status", "status": "Success", "code": 201}
+        success = {"apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Success"}
+        success["code"] = 201
         return aiohttp.web.json_response(success, status=201)
 
     def _log(self, request: kmock.Request, key: Key) -> aiohttp.web.Response:

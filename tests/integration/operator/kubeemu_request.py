@@ -29,7 +29,7 @@ class StatusError(Exception):
     ) -> None:
         super().__init__(message)
         self.code, self.reason, self.message = code, reason, message
-        self.details = dict(details or {})
+        self.details = None if details is None else dict(details)  # {}: shown empty
 
     def status(self) -> dict[str, Any]:
         """The `v1 Status` body."""
@@ -42,7 +42,7 @@ class StatusError(Exception):
             "reason": self.reason,
             "message": self.message,
         }
-        if self.details:
+        if self.details is not None:
             body["details"] = self.details
         return body
 
@@ -57,11 +57,40 @@ def resource_name(path: str) -> str:
     return parts[-1] if len(parts) == 2 else f"{parts[-1]}.{parts[0]}"
 
 
+def group_of(path: str) -> str:
+    """The API group of a resource path ("" for the core group)."""
+    parts = path.split("/")
+    return parts[0] if len(parts) == 3 else ""
+
+
+def object_details(path: str, name: str, **extra: Any) -> dict[str, Any]:
+    """A Status's `details` about one object: name, group (none for the core group), kind
+    (the resource's plural, as the real server writes it)."""
+    group = group_of(path)
+    return {
+        "name": name,
+        **({"group": group} if group else {}),
+        "kind": path.split("/")[-1],
+        **extra,
+    }
+
+
+def kind_label(path: str, kind: str) -> str:
+    """How a 422 names a kind: `ConfigMap`, `Deployment.apps`, `InferenceEngine.corefleet.dev`."""
+    group = group_of(path)
+    return f"{kind}.{group}" if group else kind
+
+
 def not_found(path: str, name: str) -> StatusError:
     """404 for a missing object, worded like the real server."""
-    parts = path.split("/")
-    details = {"name": name, "group": parts[0] if len(parts) == 3 else "", "kind": parts[-1]}
+    details = object_details(path, name)
     return StatusError(404, "NotFound", f'{resource_name(path)} "{name}" not found', details)
+
+
+def already_exists(path: str, name: str) -> StatusError:
+    """409 AlreadyExists for a create of a taken name."""
+    message = f'{resource_name(path)} "{name}" already exists'
+    return StatusError(409, "AlreadyExists", message, object_details(path, name))
 
 
 def conflict(path: str, name: str, why: str) -> StatusError:
@@ -70,7 +99,7 @@ def conflict(path: str, name: str, why: str) -> StatusError:
         409,
         "Conflict",
         f'Operation cannot be fulfilled on {resource_name(path)} "{name}": {why}',
-        {"name": name, "kind": path.split("/")[-1]},
+        object_details(path, name),
     )
 
 

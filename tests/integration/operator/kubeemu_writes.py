@@ -7,16 +7,20 @@ Used by `kubeemu.KubeEmu._update`. They follow the API server:
   `--type merge`;
 - PUT of a custom resource without `metadata.resourceVersion` is 422 (custom resources do not
   allow unconditional updates); a stale one is 409 Conflict, for PUT and PATCH alike;
+- every write of a custom resource is pruned, defaulted and validated (`kubeemu_schema`), a
+  built-in kind's gets its few emulated defaults and the name check; empty `labels`,
+  `annotations`, `finalizers` and `ownerReferences` are not stored (Go's omitempty);
 - the status subresource writes only `status` (metadata and spec changes are ignored), and a
   write of the object itself keeps the stored `status` (for kinds with a status subresource);
 - the scale subresource reads an `autoscaling/v1 Scale` (`spec.replicas` from the CRD's
   `specReplicasPath`, `status.replicas` and `status.selector` from `.status.replicas` and
-  `.status.selector`, the paths corefleet's CRD declares) and writes only the replicas (422 for
-  anything but a non-negative integer);
+  `.status.selector`, the paths corefleet's CRD declares; a Deployment's selector from its
+  `spec.selector`) and writes only the replicas (checked as the object's field);
 - no finalizer may be added to an object that is being deleted (422 Forbidden);
 - `metadata.generation` of a custom resource grows by one when anything but metadata and status
   changes (with a status subresource; without one a status change counts too); of a built-in
-  kind, when its spec changes.
+  kind that keeps one (`GENERATION_KINDS`: not ConfigMaps, Secrets, Services, ...), when its
+  spec changes.
 """
 
 from __future__ import annotations
@@ -28,8 +32,25 @@ from typing import Any
 import jsonpatch
 import kmock
 from kubeemu_discovery import ResourceType
-from kubeemu_model import get_path, merge_patch, set_path, strategic_merge
-from kubeemu_request import StatusError, check_content_type, conflict, json_body
+from kubeemu_model import apply_kind_defaults, get_path, merge_patch, set_path, strategic_merge
+from kubeemu_request import (
+    StatusError,
+    check_content_type,
+    conflict,
+    group_of,
+    json_body,
+    kind_label,
+)
+from kubeemu_schema import FieldError, custom_errors, invalid, name_errors, prune
+
+GENERATION_KINDS = {
+    "v1/pods",
+    "apps/v1/deployments",
+    "policy/v1/poddisruptionbudgets",
+    "networking.k8s.io/v1/networkpolicies",
+    "apiextensions.k8s.io/v1/customresourcedefinitions",
+}
+OMITTED_WHEN_EMPTY = ("labels", "annotations", "finalizers", "ownerReferences")
 
 STALE = (
     "the object has been modified; please apply your changes to the latest version and try again"
@@ -39,8 +60,43 @@ CUSTOM_PATCH_TYPES = (
 )
 
 
+def _details(path: str, kind: str) -> dict[str, str]:
+    group = group_of(path)
+    return {**({"group": group} if group else {}), "kind": kind}
+
+
+def tracks_generation(path: str, rtype: ResourceType) -> bool:
+    """Whether objects of this kind have a `metadata.generation`."""
+    return rtype.crd is not None or path in GENERATION_KINDS
+
+
+def checked(path: str, rtype: ResourceType, obj: dict[str, Any]) -> dict[str, Any]:
+    """An object as the server stores it after a write: pruned and defaulted; 422 if invalid."""
+    if rtype.crd is not None:
+        obj = prune(rtype.schema, obj, root=True)
+    obj.setdefault("metadata", {})
+    apply_kind_defaults(rtype.schema, rtype.defaults, obj)
+    meta = obj["metadata"]
+    for field in OMITTED_WHEN_EMPTY:
+        if field in meta and not meta[field]:
+            del meta[field]
+    if rtype.crd is not None:
+        replicas = rtype.replicas_path if "scale" in rtype.subresources else None
+        errors = custom_errors(rtype.schema, obj, replicas)
+    else:
+        errors = name_errors(meta)
+    if errors:
+        name = str(meta.get("name") or "")
+        raise invalid(kind_label(path, rtype.kind), name, errors, _details(path, rtype.kind))
+    return obj
+
+
 def patched(
-    request: kmock.Request, current: dict[str, Any], method: str, rtype: ResourceType
+    request: kmock.Request,
+    current: dict[str, Any],
+    method: str,
+    rtype: ResourceType,
+    path: str = "",
 ) -> tuple[Any, str | None]:
     """(the new object, the resourceVersion the writer expects or None)."""
     ctype = check_content_type(request.headers)
@@ -59,18 +115,19 @@ def patched(
         try:
             return jsonpatch.apply_patch(current, patch), None
         except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
-            raise StatusError(422, "Invalid", f"the server rejected our request: {exc}") from exc
+            why = "the server rejected our request due to an error in our request"
+            raise StatusError(422, "Invalid", why, {}) from exc
     assert isinstance(patch, dict)
     want_rv = (patch.get("metadata") or {}).get("resourceVersion")
     if method == "PUT":
         if not want_rv and rtype.crd is not None:
-            raise StatusError(
-                422,
-                "Invalid",
-                f"{rtype.kind}.{request.resource.group if request.resource else ''} "
-                f'"{(current.get("metadata") or {}).get("name")}" is invalid: '
-                "metadata.resourceVersion: Invalid value: 0x0: must be specified for an update",
+            name = str((current.get("metadata") or {}).get("name"))
+            error = FieldError(
+                "Invalid", "metadata.resourceVersion", 0, "must be specified for an update"
             )
+            plural = path.split("/")[-1]
+            label = f"{plural}.{group_of(path)}"
+            raise invalid(label, name, [error], _details(path, plural))
         return (patch if request.subresource is None else merge_patch(current, patch)), want_rv
     merge = strategic_merge if "strategic" in ctype else merge_patch
     return merge(current, patch), want_rv
@@ -82,7 +139,9 @@ def check_resource_version(path: str, name: str, current: Mapping[str, Any], wan
         raise conflict(path, name, STALE)
 
 
-def check_finalizers(current: Mapping[str, Any], new: Mapping[str, Any]) -> None:
+def check_finalizers(
+    path: str, rtype: ResourceType, current: Mapping[str, Any], new: Mapping[str, Any]
+) -> None:
     """422 when an update adds finalizers to an object that is being deleted."""
     if not (current.get("metadata") or {}).get("deletionTimestamp"):
         return
@@ -90,12 +149,15 @@ def check_finalizers(current: Mapping[str, Any], new: Mapping[str, Any]) -> None
     added = [f for f in (new.get("metadata") or {}).get("finalizers") or [] if f not in before]
     if added:
         found = ", ".join(f'"{f}"' for f in added)
-        raise StatusError(
-            422,
-            "Invalid",
-            "metadata.finalizers: Forbidden: no new finalizers can be added if the object is "
-            f"being deleted, found new finalizers []string{{{found}}}",
+        why = (
+            "no new finalizers can be added if the object is being deleted, found new "
+            f"finalizers []string{{{found}}}"
         )
+        error = FieldError("Forbidden", "metadata.finalizers", detail=why)
+        name = str(current["metadata"].get("name"))
+        # The real server checks it twice (the generic update and the kind's): two causes.
+        errors = [error, error]
+        raise invalid(kind_label(path, rtype.kind), name, errors, _details(path, rtype.kind))
 
 
 def next_generation(rtype: ResourceType, current: Mapping[str, Any], new: Mapping[str, Any]) -> int:
@@ -111,17 +173,21 @@ def next_generation(rtype: ResourceType, current: Mapping[str, Any], new: Mappin
 def scale_view(obj: Mapping[str, Any], rtype: ResourceType) -> dict[str, Any]:
     """The object's scale subresource."""
     meta = obj["metadata"]
+    fields = ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")
+    status: dict[str, Any] = {"replicas": get_path(obj, ".status.replicas") or 0}
+    if rtype.crd is None:  # a Deployment: its label selector
+        labels = get_path(obj, ".spec.selector.matchLabels") or {}
+        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+    else:
+        selector = get_path(obj, ".status.selector") or ""
+    if selector:
+        status["selector"] = selector
     return {
         "apiVersion": "autoscaling/v1",
         "kind": "Scale",
-        "metadata": {
-            k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion") if k in meta
-        },
+        "metadata": {k: meta[k] for k in fields if k in meta},
         "spec": {"replicas": get_path(obj, rtype.replicas_path)},
-        "status": {
-            "replicas": get_path(obj, ".status.replicas") or 0,
-            "selector": get_path(obj, ".status.selector") or "",
-        },
+        "status": status,
     }
 
 
@@ -131,8 +197,13 @@ def isolated(
     """What a write through `sub` (None: the object itself) may change of `current`."""
     if sub == "scale":
         replicas = get_path(new, ".spec.replicas")
-        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
-            raise StatusError(422, "Invalid", f"spec.replicas: Invalid value: {replicas!r}")
+        wrong = not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0
+        if rtype.crd is None and wrong:  # a custom resource's is checked as its field
+            error = FieldError(
+                "Invalid", "spec.replicas", replicas, "must be greater than or equal to 0"
+            )
+            name = str(current["metadata"].get("name"))
+            raise invalid("Scale.autoscaling", name, [error], _details("autoscaling/v1/x", "Scale"))
         new = copy.deepcopy(current)
         set_path(new, rtype.replicas_path, replicas)
         return new

@@ -1,35 +1,35 @@
-"""Test harness: the emulator served on loopback, the real operator, and a stand-in kubelet.
+"""Test harness: what every operator scenario uses, whichever API server it runs against.
 
-`cluster()` serves a `KubeEmu` with the InferenceEngine CRD registered and a kubeconfig pointing
-at it (the operator logs in through KUBECONFIG, as `kopf run` would). `running_operator()` runs
-`kopf.operator()` with corefleet's handlers in the current loop; enter it inside the test body
-(kopf cancels tasks newer than itself on exit, which would include an async fixture's teardown).
-Nothing runs the pods, so `Cluster.set_pod` plays the kubelet by patching `pods/<name>/status`.
-Every wait has a timeout.
+A scenario runs against a real control plane (`real_cluster.real_cluster()`: kube-apiserver,
+optionally the controller manager and the scheduler; the operator logs in as the chart's
+ServiceAccount) or, for a fault a real server will not produce on demand, against the emulator
+(`emulated_cluster.emulated_cluster()`). Both give a `Cluster`: HTTP helpers that act like
+kubectl, a kubelet and controllers, and reads of the stored objects, as the test's admin.
+`operator_run.running_operator()` runs corefleet's kopf operator in the test's event loop.
+
+Reads (`obj`, `objs`, `engine`, `pods`, ...) are synchronous: `eventually` runs its check in a
+worker thread, so that polling the real server never stalls the operator sharing the loop.
+Every wait has a timeout; nothing sleeps a fixed time and then asserts that nothing happened.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import pathlib
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
-import kopf
 import yaml
-from kubeemu import KubeEmu
-from kubeemu_server import ServedInThread
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 CRD = yaml.safe_load((REPO / "crds" / "inferenceengines.corefleet.dev.yaml").read_text())
 IE = "corefleet.dev/v1alpha1/inferenceengines"
 IE_URL = "/apis/corefleet.dev/v1alpha1/namespaces/default/inferenceengines"
 MERGE = {"Content-Type": "application/merge-patch+json"}
+RANK_SELECTOR = "corefleet.dev/engine={},app.kubernetes.io/component=engine"
 CHILDREN = {  # resource path -> child names, for an engine called "llama"
     "v1/services": {"llama-coordinator", "llama-coordinators", "llama-engine"},
     "v1/configmaps": {"llama-engine-args"},
@@ -57,16 +57,17 @@ def engine_manifest(name: str = "llama", ranks: int = 2, **spec: Any) -> dict[st
     }
 
 
-async def eventually(check: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
-    """Poll `check` until it returns something truthy; fail after `timeout` seconds."""
+async def eventually(check: Callable[[], Any], timeout: float = 30.0, what: str = "") -> Any:
+    """Poll `check` (in a worker thread) until it returns something truthy; fail after
+    `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
-        result = check()
+        result = await asyncio.to_thread(check)
         if result:
             return result
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what or check}")
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.05)
 
 
 def _quiet_kopf_watch_close(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
@@ -79,7 +80,7 @@ def _quiet_kopf_watch_close(loop: asyncio.AbstractEventLoop, context: dict[str, 
     loop.default_exception_handler(context)
 
 
-def run(coro: Awaitable[Any], timeout: float = 60.0) -> Any:
+def run(coro: Awaitable[Any], timeout: float = 120.0) -> Any:
     """Run a scenario in a fresh event loop with an overall timeout."""
 
     async def bounded() -> Any:
@@ -90,25 +91,41 @@ def run(coro: Awaitable[Any], timeout: float = 60.0) -> Any:
 
 
 class Cluster:
-    """The emulator plus HTTP helpers that act like kubectl, a kubelet and controllers."""
+    """An API server as the test's admin sees it; subclasses provide `obj`, `objs` and the
+    HTTP session, and play the controllers that do not run there."""
 
-    def __init__(self, emu: KubeEmu, url: str, session: aiohttp.ClientSession) -> None:
-        self.emu, self.url, self.session = emu, url, session
+    url: str
+    session: aiohttp.ClientSession
+
+    def obj(self, path: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """One stored object by resource path ("v1/pods"), namespace ("" when cluster-scoped)
+        and name; None when it does not exist."""
+        raise NotImplementedError
+
+    def objs(self, path: str, namespace: str | None = None, selector: str = "") -> list[Any]:
+        """Stored objects of a resource path (in one namespace; matching a label selector)."""
+        raise NotImplementedError
+
+    async def answer(
+        self, method: str, url: str, body: Any = None, headers: Mapping[str, str] | None = None
+    ) -> tuple[int, Any]:
+        """One API call: (HTTP status, decoded answer)."""
+        async with self.session.request(
+            method, self.url + url, json=body, headers=dict(headers or {})
+        ) as resp:
+            return resp.status, await resp.json(content_type=None)
 
     async def request(
         self, method: str, url: str, body: Any = None, headers: Mapping[str, str] | None = None
     ) -> Any:
         """One API call; returns the decoded answer, failing on an unexpected status."""
-        async with self.session.request(
-            method, self.url + url, json=body, headers=dict(headers or {})
-        ) as resp:
-            data = await resp.json(content_type=None)
-            assert resp.status < 300, (resp.status, data)
-            return data
+        status, data = await self.answer(method, url, body, headers)
+        assert status < 300, (method, url, status, data)
+        return data
 
     def engine(self, name: str = "llama") -> dict[str, Any]:
         """The stored InferenceEngine."""
-        obj = self.emu.obj(IE, "default", name)
+        obj = self.obj(IE, "default", name)
         assert obj is not None, f"{name} does not exist"
         return obj
 
@@ -124,9 +141,18 @@ class Cluster:
         """rank -> pod of an engine."""
         return {
             int(p["metadata"]["labels"]["corefleet.dev/rank"]): p
-            for p in self.emu.objs("v1/pods", "default")
-            if p["metadata"]["labels"].get("corefleet.dev/engine") == name
+            for p in self.objs("v1/pods", "default", RANK_SELECTOR.format(name))
         }
+
+    def events(self, reason: str, name: str = "") -> list[dict[str, Any]]:
+        """Kubernetes Events with a reason, posted about InferenceEngines (or one of them)."""
+        return [
+            e
+            for e in self.objs("v1/events", "default")
+            if e.get("reason") == reason
+            and e["involvedObject"]["kind"] == "InferenceEngine"
+            and (not name or e["involvedObject"]["name"] == name)
+        ]
 
     async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
         """Create an InferenceEngine."""
@@ -152,92 +178,44 @@ class Cluster:
         """Mark a pod Running and (not) Ready."""
         await self.set_pod(pod, running_status(ready))
 
-    async def coordinator_available(self, name: str = "llama") -> None:
-        """Play the Deployment controller: one available coordinator pod."""
+    async def coordinator_available(self, name: str = "llama", available: bool = True) -> None:
+        """Play the Deployment controller: one (no) available coordinator pod."""
+        count = int(available)  # a real server refuses more available than ready replicas
+        status = {"replicas": 1, "readyReplicas": count, "availableReplicas": count}
         await self.request(
             "PATCH",
             f"/apis/apps/v1/namespaces/default/deployments/{name}-coordinator/status",
-            {"status": {"replicas": 1, "availableReplicas": 1}},
+            {"status": status},
             MERGE,
         )
 
     async def all_ready(self, name: str = "llama") -> None:
         """Make the coordinator available and every rank pod Ready."""
         await self.coordinator_available(name)
-        for pod in self.pods(name).values():
+        for pod in (await asyncio.to_thread(self.pods, name)).values():
             await self.pod_ready(pod["metadata"]["name"])
 
 
-def running_status(ready: bool) -> dict[str, Any]:
+def running_status(ready: bool, container: str = "engine") -> dict[str, Any]:
     """A pod status as the kubelet reports a running container (ready or loading)."""
     flag = "True" if ready else "False"
     return {
         "phase": "Running",
         "conditions": [
             {"type": "PodScheduled", "status": "True"},
-            {"type": "Ready", "status": flag},
+            {"type": "Ready", "status": flag, "lastTransitionTime": "2026-01-01T00:00:00Z"},
         ],
         "containerStatuses": [
             {
-                "name": "engine",
+                "name": container,
+                "image": "corefleet:test",
+                "imageID": "",
                 "ready": ready,
                 "restartCount": 0,
                 "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}},
             }
         ],
     }
-
-
-@contextlib.asynccontextmanager
-async def cluster(kubeconfig: pathlib.Path, **emu_options: Any) -> AsyncIterator[Cluster]:
-    """Serve an emulator with the CRD and a `default` namespace; KUBECONFIG points at it."""
-    emu = KubeEmu(**emu_options)
-    emu.register_crd(CRD)
-    with ServedInThread(emu) as url:
-        kubeconfig.write_text(
-            yaml.safe_dump(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "current-context": "emu",
-                    "clusters": [{"name": "emu", "cluster": {"server": url}}],
-                    "users": [{"name": "emu", "user": {"token": "test"}}],
-                    "contexts": [
-                        {
-                            "name": "emu",
-                            "context": {"cluster": "emu", "user": "emu", "namespace": "default"},
-                        }
-                    ],
-                }
-            )
-        )
-        os.environ["KUBECONFIG"] = str(kubeconfig)
-        async with aiohttp.ClientSession() as session:
-            harness = Cluster(emu, url, session)
-            await harness.request("POST", "/api/v1/namespaces", {"metadata": {"name": "default"}})
-            yield harness
-
-
-@contextlib.asynccontextmanager
-async def running_operator(**options: Any) -> AsyncIterator[asyncio.Task[None]]:
-    """Run corefleet's kopf operator until the block ends; it must stop within 15 s."""
-    import corefleet.operator.main  # noqa: F401  (registers the handlers)
-
-    stop, ready = asyncio.Event(), asyncio.Event()
-    settings = kopf.OperatorSettings()
-    # kopf waits for idle per-object workers on exit; they idle out after this (default 5 s).
-    settings.queueing.idle_timeout = 0.3
-    settings.posting.idle_timeout = 0.3
-    options.setdefault("settings", settings)
-    options.setdefault("namespaces", ["default"])
-    options.setdefault("standalone", True)
-    task = asyncio.create_task(kopf.operator(stop_flag=stop, ready_flag=ready, **options))
-    await asyncio.wait_for(ready.wait(), 10)
-    try:
-        yield task
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 15)
 
 
 def _json_path(obj: Any, path: str) -> Any:
@@ -256,10 +234,16 @@ def printer_columns(obj: Mapping[str, Any]) -> dict[str, Any]:
     return {c["name"].upper(): _json_path(obj, c["jsonPath"]) for c in columns}
 
 
-def events(cluster: Cluster, reason: str) -> list[dict[str, Any]]:
-    """Kubernetes Events with a reason, posted about InferenceEngines."""
-    return [
-        e
-        for e in cluster.emu.objs("v1/events", "default")
-        if e.get("reason") == reason and e["involvedObject"]["kind"] == "InferenceEngine"
-    ]
+def __getattr__(name: str) -> Any:
+    """The harness's former names, which benchmarks/operator_reconcile.py still imports from
+    here: `cluster` (the emulator, now `emulated_cluster.emulated_cluster`) and
+    `running_operator` (now in `operator_run`)."""
+    if name == "cluster":
+        from emulated_cluster import emulated_cluster
+
+        return emulated_cluster
+    if name == "running_operator":
+        from operator_run import running_operator
+
+        return running_operator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,16 +1,15 @@
-"""`corefleet-operator` as a process: kubeconfig login, one namespace, liveness, clean SIGTERM."""
+"""`corefleet-operator` as a process: kubeconfig login (the chart's ServiceAccount token), one
+namespace, liveness, clean SIGTERM; against a real API server."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
 import socket
-import subprocess
-import sys
+import urllib.error
+import urllib.request
 
-import aiohttp
-from operator_harness import cluster, engine_manifest, eventually, run
+from operator_harness import engine_manifest, eventually, run
+from operator_run import operator_process
+from real_cluster import real_cluster
 
 
 def _free_port() -> int:
@@ -19,45 +18,22 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-async def _alive(url: str) -> bool:
+def _alive(url: str) -> bool:
     try:
-        async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        with urllib.request.urlopen(url, timeout=5) as resp:
             return resp.status == 200
-    except aiohttp.ClientError:
+    except (urllib.error.URLError, OSError):
         return False
 
 
 def test_console_script_serves_a_namespace_and_exits_cleanly(tmp_path):
     async def scenario():
-        async with cluster(tmp_path / "kubeconfig") as c:
+        async with real_cluster(tmp_path) as c:
             liveness = f"http://127.0.0.1:{_free_port()}/healthz"
-            command = [
-                sys.executable,
-                "-c",
-                "from corefleet.operator.cli import cli; cli()",
-                "--namespace",
-                "default",
-                "--standalone",
-                "--liveness",
-                liveness,
-            ]
-            env = {**os.environ, "KUBECONFIG": str(tmp_path / "kubeconfig")}
-            proc = subprocess.Popen(
-                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-            try:
+            args = ["--namespace", "default", "--standalone", "--liveness", liveness]
+            async with operator_process(c.kubeconfig, tmp_path / "op.log", *args, stop="term"):
                 await c.apply(engine_manifest(ranks=2))
-                await eventually(lambda: len(c.pods()) == 2, timeout=30, what="rank pods")
-                ok = False
-                for _ in range(100):  # the liveness endpoint answers once kopf is up
-                    ok = await _alive(liveness)
-                    if ok:
-                        break
-                    await asyncio.sleep(0.1)
-                assert ok, "liveness endpoint never answered"
-            finally:
-                proc.send_signal(signal.SIGTERM)
-                output, _ = await asyncio.to_thread(proc.communicate, timeout=30)
-            assert proc.returncode == 0, output
+                await eventually(lambda: len(c.pods()) == 2, what="rank pods")
+                await eventually(lambda: _alive(liveness), what="the liveness endpoint")
 
-    run(scenario(), timeout=90)
+    run(scenario())

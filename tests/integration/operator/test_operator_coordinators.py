@@ -1,22 +1,19 @@
-"""The real operator against the emulator: several coordinators, their budget, discovery and HPA.
+"""The real operator against a real API server: several coordinators, their budget, discovery
+and HPA.
 
-The emulator runs no controllers: the test plays the HPA controller (it writes the Deployment's
-`/scale`, as the real one does) and checks what the operator leaves alone and what it changes.
+Without the controller manager the test plays the Deployment controller (its status). With it,
+the real HPA controller takes the HorizontalPodAutoscaler the operator made; no metrics API runs,
+so it only keeps the Deployment within minReplicas..maxReplicas, and the test stands in for the
+metric-driven scaling by writing the Deployment's `/scale`, as the HPA controller does.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from operator_harness import (
-    MERGE,
-    Cluster,
-    cluster,
-    engine_manifest,
-    eventually,
-    run,
-    running_operator,
-)
+from operator_harness import MERGE, Cluster, engine_manifest, eventually, run
+from operator_run import running_operator
+from real_cluster import real_cluster
 
 DEPLOYS = "apps/v1/deployments"
 HPAS = "autoscaling/v2/horizontalpodautoscalers"
@@ -24,7 +21,7 @@ DEPLOY_URL = "/apis/apps/v1/namespaces/default/deployments/llama-coordinator"
 
 
 def _get(c: Cluster, path: str, name: str) -> dict[str, Any] | None:
-    return c.emu.obj(path, "default", name)  # type: ignore[no-any-return]
+    return c.obj(path, "default", name)
 
 
 def _deployment(c: Cluster) -> dict[str, Any]:
@@ -37,9 +34,15 @@ def _args(c: Cluster) -> list[str]:
     return list(_deployment(c)["spec"]["template"]["spec"]["containers"][0]["args"])
 
 
+def _able_to_scale(c: Cluster) -> bool:
+    hpa = _get(c, HPAS, "llama-coordinator") or {}
+    conditions = (hpa.get("status") or {}).get("conditions") or []
+    return any(x["type"] == "AbleToScale" and x["status"] == "True" for x in conditions)
+
+
 def test_two_coordinators_with_a_budget_and_a_discovery_service(tmp_path):
     async def scenario():
-        async with cluster(tmp_path / "kubeconfig") as c, running_operator():
+        async with real_cluster(tmp_path) as c, running_operator():
             await c.apply(engine_manifest(ranks=2, coordinator={"replicas": 2}))
             await eventually(
                 lambda: _get(c, DEPLOYS, "llama-coordinator") and len(c.pods()) == 2,
@@ -64,7 +67,8 @@ def test_two_coordinators_with_a_budget_and_a_discovery_service(tmp_path):
             assert peers["spec"]["publishNotReadyAddresses"] is True
             assert peers["spec"]["selector"] == selector
             http = _get(c, "v1/services", "llama-coordinator")
-            assert http is not None and http["spec"]["publishNotReadyAddresses"] is False
+            assert http is not None  # a real server leaves out a false (omitempty) boolean
+            assert http["spec"].get("publishNotReadyAddresses", False) is False
             for pod in c.pods().values():
                 args = pod["spec"]["containers"][0]["args"]
                 assert args[args.index("--coordinator") + 1] == "llama-coordinators:5570"
@@ -86,7 +90,10 @@ def test_two_coordinators_with_a_budget_and_a_discovery_service(tmp_path):
 
 def test_an_hpa_owns_the_coordinator_count_until_autoscaling_is_removed(tmp_path):
     async def scenario():
-        async with cluster(tmp_path / "kubeconfig") as c, running_operator():
+        async with (
+            real_cluster(tmp_path, controller_manager=True) as c,
+            running_operator(),
+        ):
             coordinator = {
                 "autoscaling": {"minReplicas": 2, "maxReplicas": 5},
                 "resources": {"requests": {"cpu": "250m"}},
@@ -102,8 +109,12 @@ def test_an_hpa_owns_the_coordinator_count_until_autoscaling_is_removed(tmp_path
             (metric,) = hpa["spec"]["metrics"]
             assert metric["resource"]["target"] == {"type": "Utilization", "averageUtilization": 80}
             assert hpa["metadata"]["ownerReferences"][0]["uid"] == c.engine()["metadata"]["uid"]
+            # The real HPA controller reads the Deployment's scale through the HPA's target,
+            # and raises the Deployment (created without replicas: 1) to minReplicas.
+            await eventually(lambda: _able_to_scale(c), what="the HPA controller's AbleToScale")
+            await eventually(lambda: _deployment(c)["spec"]["replicas"] == 2, what="2 replicas")
 
-            # The HPA controller scales the Deployment through its scale subresource.
+            # Metrics would make it scale the Deployment through its scale subresource.
             await c.request("PATCH", f"{DEPLOY_URL}/scale", {"spec": {"replicas": 4}}, MERGE)
             # A spec change that updates the Deployment (its args): the HPA's count stays.
             await c.patch_spec({"coordinator": {"routing": "PrefixHash"}})

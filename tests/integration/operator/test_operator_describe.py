@@ -1,33 +1,28 @@
 """`kubectl describe ie` lists an Event for every rank transition, once each.
 
-The real operator runs against the emulator (pods linger while terminating, as with a kubelet);
-the test plays the kubelet and the Deployment controller. It walks an engine through its life:
+The real operator runs against a real API server (a stand-in kubelet binds the pods, so that they
+linger while terminating, and ends them 0.3 s after their deletion); the test plays the kubelet's
+status and the Deployment controller. It walks an engine through its life:
 creation, ranks and coordinator ready, a rank restarting in place, a scale-down, a rolling update,
 the coordinator going away. Then the real kubectl describes the engine, and every transition
 appears in its Events exactly once (none is repeated by the reconciles in between: the timer, pod
-events, status writes).
+events, status writes): the test lets the operator reconcile twice more on its timer after the
+last transition before it counts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-from operator_harness import (
-    Cluster,
-    cluster,
-    engine_manifest,
-    eventually,
-    run,
-    running_operator,
-    running_status,
-)
+from operator_harness import Cluster, engine_manifest, eventually, run, running_status
+from operator_run import running_operator
+from real_cluster import real_cluster
 
 KUBECTL = shutil.which("kubectl")
 
@@ -36,7 +31,7 @@ def reasons(c: Cluster) -> collections.Counter[str]:
     """How often each reason was posted about the engine."""
     return collections.Counter(
         e["reason"]
-        for e in c.emu.objs("v1/events", "default")
+        for e in c.objs("v1/events", "default")
         if e["involvedObject"].get("kind") == "InferenceEngine"
     )
 
@@ -44,22 +39,6 @@ def reasons(c: Cluster) -> collections.Counter[str]:
 def has(c: Cluster, reason: str, count: int = 1) -> bool:
     """At least `count` Events with this reason exist."""
     return reasons(c)[reason] >= count
-
-
-async def kubectl(cache: Path, *args: str) -> str:
-    """The real kubectl's stdout (KUBECONFIG is the harness's)."""
-    assert KUBECTL is not None
-    proc = await asyncio.create_subprocess_exec(
-        KUBECTL,
-        f"--cache-dir={cache}",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=dict(os.environ),
-    )
-    out, err = await proc.communicate()
-    assert proc.returncode == 0, err.decode()
-    return out.decode()
 
 
 def restarted_status() -> dict[str, Any]:
@@ -75,8 +54,8 @@ def restarted_status() -> dict[str, Any]:
 def test_describe_shows_an_event_per_transition(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with (
-            cluster(tmp_path / "kubeconfig", pod_termination_seconds=0.3) as c,
-            running_operator(),
+            real_cluster(tmp_path, pod_termination_seconds=0.3) as c,
+            running_operator() as operator,
         ):
             await c.apply(engine_manifest(ranks=2))
             await eventually(lambda: len(c.pods()) == 2, what="rank pods")
@@ -105,17 +84,14 @@ def test_describe_shows_an_event_per_transition(tmp_path: Path) -> None:
             await c.pod_ready("llama-engine-0")
             await eventually(lambda: has(c, "RolloutComplete"), what="rollout complete")
 
-            await c.request(
-                "PATCH",
-                "/apis/apps/v1/namespaces/default/deployments/llama-coordinator/status",
-                {"status": {"availableReplicas": 0}},
-                {"Content-Type": "application/merge-patch+json"},
-            )
+            await c.coordinator_available(available=False)
             await eventually(lambda: has(c, "CoordinatorUnavailable"), what="coordinator lost")
+            await operator.log.ticks(2)
 
-            described = await kubectl(tmp_path / "cache", "describe", "ie", "llama")
+            done = await asyncio.to_thread(c.api.kubectl, "describe", "ie", "llama")  # as admin
+            described, posted = done.stdout, reasons(c)
 
-        assert reasons(c) == {
+        assert posted == {
             "RankCreated": 3,  # ranks 0 and 1, then rank 0 of the new spec
             "RankJoined": 4,  # both, rank 1 after its restart, the new rank 0
             "CoordinatorReady": 1,
@@ -132,10 +108,10 @@ def test_describe_shows_an_event_per_transition(tmp_path: Path) -> None:
         rows = [
             r for r in map(str.split, events.splitlines()) if r and r[0] in ("Normal", "Warning")
         ]
-        assert collections.Counter(row[1] for row in rows) == reasons(c), events
+        assert collections.Counter(row[1] for row in rows) == posted, events
         not_ready = r"Warning\s+RankNotReady\s+\S+\s+corefleet-operator\s+rank 1 is not ready"
         assert re.search(not_ready, events)
         complete = r"Normal\s+RolloutComplete\s+.*every rank runs the current spec \(1 updated\)"
         assert re.search(complete, events)
 
-    run(scenario(), timeout=90)
+    run(scenario(), timeout=180)

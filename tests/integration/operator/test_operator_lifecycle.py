@@ -1,24 +1,31 @@
-"""The real operator against the emulator: apply, scale, roll, delete, restart."""
+"""The real operator against a real API server: apply, scale, roll, delete, restart.
+
+The operator runs with the chart's RBAC for `-n default`; the test plays the kubelet (pod
+status) and, without the controller manager, the Deployment controller. Deleting an engine runs
+the real garbage collector (the controller manager).
+"""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 
+from audit_log import by_user, ref
+from chart_install import OPERATOR_USER
 from operator_harness import (
     CHILDREN,
+    IE,
     IE_URL,
     Cluster,
-    cluster,
     engine_manifest,
-    events,
     eventually,
     printer_columns,
     run,
-    running_operator,
 )
+from operator_run import DELETED, running_operator
+from real_cluster import RealCluster, real_cluster
 
 DO_NOT_DISRUPT = "karpenter.sh/do-not-disrupt"
+ENGINE_SELECTOR = "corefleet.dev/engine=llama"
 
 
 def _uids(c: Cluster) -> dict[int, str]:
@@ -31,7 +38,7 @@ def _hashes(c: Cluster) -> dict[int, str]:
 
 def _children_exist(c: Cluster) -> bool:
     return all(
-        {o["metadata"]["name"] for o in c.emu.objs(path, "default")} >= names
+        {o["metadata"]["name"] for o in c.objs(path, "default")} >= names
         for path, names in CHILDREN.items()
     )
 
@@ -45,7 +52,7 @@ async def _ready_engine(c: Cluster, ranks: int) -> None:
 
 def test_apply_creates_every_child_with_owner_references(tmp_path):
     async def scenario():
-        async with cluster(tmp_path / "kubeconfig") as c, running_operator():
+        async with real_cluster(tmp_path) as c, running_operator():
             await c.apply(engine_manifest(ranks=2))
             await eventually(lambda: len(c.pods()) == 2 and _children_exist(c), what="children")
             uid = c.engine()["metadata"]["uid"]
@@ -54,7 +61,7 @@ def test_apply_creates_every_child_with_owner_references(tmp_path):
                 "v1/pods": {"llama-engine-0", "llama-engine-1"},
             }.items():
                 for name in names:
-                    refs = c.emu.obj(path, "default", name)["metadata"]["ownerReferences"]
+                    refs = c.obj(path, "default", name)["metadata"]["ownerReferences"]
                     assert [(r["kind"], r["uid"], r["controller"]) for r in refs] == [
                         ("InferenceEngine", uid, True)
                     ], (path, name)
@@ -85,8 +92,8 @@ def test_apply_creates_every_child_with_owner_references(tmp_path):
                 ),
                 what="guards released",
             )
-            await eventually(lambda: len(events(c, "RankJoined")) == 2, what="join events")
-            assert len(events(c, "RankCreated")) == 2
+            await eventually(lambda: len(c.events("RankJoined")) == 2, what="join events")
+            assert len(c.events("RankCreated")) == 2
 
             meta = c.engine()["metadata"]
             assert meta["finalizers"] == ["operator.corefleet.dev/finalizer"]
@@ -104,7 +111,7 @@ def test_apply_creates_every_child_with_owner_references(tmp_path):
                 "ranks",
                 "conditions",
             }  # nothing of kopf's in status
-            secret = c.emu.obj("v1/secrets", "default", "llama-curve")["data"]
+            secret = c.obj("v1/secrets", "default", "llama-curve")["data"]
             keys = {k: base64.b64decode(v).decode() for k, v in secret.items()}
             assert sorted(keys) == [
                 "client-public",
@@ -118,9 +125,11 @@ def test_apply_creates_every_child_with_owner_references(tmp_path):
 
 
 def test_scale_subresource_adds_and_removes_highest_ranks(tmp_path):
+    """Scaled pods drain: the stand-in kubelet binds them and ends a deleted one 0.5 s later."""
+
     async def scenario():
         async with (
-            cluster(tmp_path / "kubeconfig", pod_termination_seconds=0.5) as c,
+            real_cluster(tmp_path, pod_termination_seconds=0.5) as c,
             running_operator(),
         ):
             await _ready_engine(c, 2)
@@ -154,9 +163,14 @@ def test_scale_subresource_adds_and_removes_highest_ranks(tmp_path):
             )
             await eventually(lambda: sorted(c.pods()) == [0], what="scaled to 1")
             assert c.pods()[0]["metadata"]["uid"] == rank0
-            order = [name for path, _, name in c.emu.delete_requests if path == "v1/pods"]
-            assert order == ["llama-engine-3", "llama-engine-2", "llama-engine-1"]
-            gone = [p["metadata"] for p in c.emu.deleted if p["kind"] == "Pod"]
+            # in the audit log, which the server writes as it answers: poll for the third
+            deletes = await eventually(
+                lambda: len(_pod_deletes(c)) >= 3 and _pod_deletes(c), what="three deletes"
+            )
+            assert deletes == ["llama-engine-3", "llama-engine-2", "llama-engine-1"]
+            assert c.kubelet is not None
+            gone = [p["metadata"] for p in c.kubelet.finalized]
+            assert sorted(m["name"] for m in gone) == [f"llama-engine-{r}" for r in (1, 2, 3)]
             assert all(m["annotations"][DO_NOT_DISRUPT] == "true" for m in gone)
             await eventually(
                 lambda: (
@@ -167,14 +181,14 @@ def test_scale_subresource_adds_and_removes_highest_ranks(tmp_path):
                 what="status at 1",
             )
             assert c.status()["replicas"] == 1 and printer_columns(c.engine())["READY"] == "True"
-            assert len(events(c, "RankScaledDown")) == 3
+            await eventually(lambda: len(c.events("RankScaledDown")) == 3, what="3 events")
 
     run(scenario())
 
 
 def test_spec_change_rolls_ranks_one_at_a_time(tmp_path):
     async def scenario():
-        async with cluster(tmp_path / "kubeconfig") as c, running_operator():
+        async with real_cluster(tmp_path) as c, running_operator() as operator:
             await _ready_engine(c, 3)
             old = _hashes(c)
             await c.patch_spec({"engine": {"maxNumSeqs": 64}})
@@ -189,7 +203,9 @@ def test_spec_change_rolls_ranks_one_at_a_time(tmp_path):
                     ),
                     what="RollingUpdate",
                 )
-                await asyncio.sleep(1.5)  # over a timer period: nothing else moves meanwhile
+                # The operator has seen the new pod (not Ready) and reconciled twice more since:
+                # it still waits for it and replaces nothing else.
+                await operator.log.ticks(2)
                 assert sum(h == old[r] for r, h in _hashes(c).items()) == rank
                 await c.pod_ready(f"llama-engine-{rank}")
             await eventually(
@@ -200,16 +216,16 @@ def test_spec_change_rolls_ranks_one_at_a_time(tmp_path):
                 what="rollout done",
             )
             assert c.status()["observedGeneration"] == 2
-            args = c.emu.obj("v1/configmaps", "default", "llama-engine-args")["data"]["args"]
+            args = c.obj("v1/configmaps", "default", "llama-engine-args")["data"]["args"]
             assert "--max-num-seqs 64" in args
-            assert len(events(c, "RankReplaced")) == 3
+            await eventually(lambda: len(c.events("RankReplaced")) == 3, what="3 events")
 
     run(scenario())
 
 
 def test_failed_pod_is_replaced(tmp_path):
     async def scenario():
-        async with cluster(tmp_path / "kubeconfig") as c, running_operator():
+        async with real_cluster(tmp_path) as c, running_operator():
             await _ready_engine(c, 2)
             before = _uids(c)
             await c.set_pod(
@@ -218,7 +234,7 @@ def test_failed_pod_is_replaced(tmp_path):
             )
             await eventually(lambda: _uids(c).get(1, before[1]) != before[1], what="new rank 1")
             assert _uids(c)[0] == before[0]
-            await eventually(lambda: events(c, "RankFailedReplaced"), what="event")
+            await eventually(lambda: c.events("RankFailedReplaced"), what="event")
             await eventually(
                 lambda: c.status()["ranks"][1].get("replacements") == 1, what="replacement counted"
             )
@@ -234,33 +250,59 @@ def test_failed_pod_is_replaced(tmp_path):
     run(scenario())
 
 
+def _pod_deletes(c: RealCluster) -> list[str]:
+    """The pods the operator deleted, in order."""
+    return [ref(e)["name"] for e in c.audit.select("delete", "pods", by_user(OPERATOR_USER))]
+
+
+def _llama_creates(c: RealCluster) -> list[str]:
+    """Everything the operator ever created for the engine llama (any kind)."""
+    creates = c.audit.select("create", user=by_user(OPERATOR_USER))
+    return [
+        f"{ref(e)['resource']}/{ref(e)['name']}"
+        for e in creates
+        if str(ref(e).get("name", "")).startswith("llama-")
+    ]
+
+
 def test_deleting_the_engine_stops_all_work(tmp_path):
+    """The real garbage collector removes the children once the operator lets the engine go;
+    nothing of it comes back, though the operator keeps working (another engine)."""
+
     async def scenario():
-        async with cluster(tmp_path / "kubeconfig") as c, running_operator() as operator:
+        async with (
+            real_cluster(tmp_path, controller_manager=True) as c,
+            running_operator() as operator,
+        ):
             await _ready_engine(c, 2)
             await c.request("DELETE", f"{IE_URL}/llama")
+            await eventually(lambda: c.obj(IE, "default", "llama") is None, what="engine gone")
+            assert operator.log.count("llama", DELETED) == 1
             await eventually(
                 lambda: (
-                    c.emu.obj("corefleet.dev/v1alpha1/inferenceengines", "default", "llama") is None
+                    not c.pods()
+                    and not c.objs("v1/services", "default", ENGINE_SELECTOR)
+                    and not c.objs("apps/v1/deployments", "default", ENGINE_SELECTOR)
                 ),
-                what="engine gone",
+                what="children collected",
             )
-            await eventually(
-                lambda: not c.pods() and not c.emu.objs("v1/services"), what="children collected"
-            )
-            writes = len(c.emu.deleted)
-            await asyncio.sleep(2.5)  # two timer periods: nothing comes back
-            assert not c.pods() and not c.emu.objs("apps/v1/deployments")
-            assert len(c.emu.deleted) == writes
-            assert not operator.done()
-        assert operator.done() and operator.exception() is None
+            created = _llama_creates(c)
+            # A later engine: the operator watches, creates and reconciles on its timer; by then
+            # it has long processed the events of llama's children going.
+            await c.apply(engine_manifest("other", ranks=1))
+            await eventually(lambda: 0 in c.pods("other"), what="the other engine's rank")
+            await operator.log.ticks(2, "other")
+            assert not c.pods() and not c.objs("apps/v1/deployments", "default", ENGINE_SELECTOR)
+            assert _llama_creates(c) == created
+            assert not operator.task.done()
+        assert operator.task.done() and operator.task.exception() is None
 
     run(scenario())
 
 
 def test_restarted_operator_resumes_and_recreates_a_lost_rank(tmp_path):
     async def scenario():
-        async with cluster(tmp_path / "kubeconfig") as c:
+        async with real_cluster(tmp_path) as c:
             async with running_operator():
                 await _ready_engine(c, 2)
             lost = c.pods()[1]["metadata"]["uid"]

@@ -1,27 +1,24 @@
 """The operator on an unreliable API: watches that end or expire, and conflicting writes.
 
-The API faults come from the emulator's kmock reactions (declared per test, matched before the
-emulator serves a request): refused watches, an ended stream, one 409 Conflict. What the operator
-did is read back from the emulator's request log, so a duplicate write shows even when the
-server refused it.
+Every scenario here runs on the emulator: its faults are ones a real API server does not produce
+on demand. They come from kmock reactions (declared per test, matched before the emulator serves
+a request): refused watches (429), an ended stream, a resume past the history (410 Gone), one
+409 Conflict, 429 or 503 on a chosen write. Each test's docstring names its fault. What the
+operator did is read back from the emulator's request log, so a duplicate write shows even when
+the server refused it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 from typing import Any
 
 import kmock
 import pytest
-from operator_harness import (
-    Cluster,
-    cluster,
-    engine_manifest,
-    eventually,
-    run,
-    running_operator,
-)
+from emulated_cluster import EmulatedCluster as Cluster
+from emulated_cluster import emulated_cluster as cluster
+from operator_harness import engine_manifest, eventually, run
+from operator_run import running_operator
 
 CONTROL = "/test-control/end-watches"  # not a Kubernetes path: served by a reaction below
 
@@ -53,6 +50,29 @@ def _lists(c: Cluster, path: str) -> int:
     )
 
 
+def _watches(c: Cluster, path: str) -> int:
+    """How many watch requests of a collection (URL ending in `path`) the operator opened."""
+    return sum(
+        1
+        for r in list(c.emu._requests)
+        if r.method.value.upper() == "GET"
+        and r.url.path.endswith(path)
+        and r.params.get("watch") in ("true", "1")
+    )
+
+
+WATCHED = ("/pods", "/inferenceengines", "/deployments")
+
+
+async def _cut_watches(c: Cluster) -> None:
+    """End every watch stream; return once the operator has watched each resource again."""
+    before = {path: _watches(c, path) for path in WATCHED}
+    await c.request("GET", CONTROL)
+    await eventually(
+        lambda: all(_watches(c, path) > n for path, n in before.items()), what="watched again"
+    )
+
+
 def _end_watches_on_request(c: Cluster) -> None:
     """GET CONTROL ends every open watch stream, in the emulator's own event loop."""
 
@@ -72,6 +92,9 @@ async def _ready_children(c: Cluster, ranks: int) -> None:
 
 def test_ended_and_expired_watches_resume_without_duplicate_children(tmp_path, monkeypatch):
     """Watch streams the server ends, and a resume past the server's history (410 Gone).
+
+    Emulator: the server ends every watch stream on request, refuses watches with 429 for a
+    while, and keeps a history of only 20 events (a real one keeps minutes of them).
 
     While the pod watch is refused (429, as a busy server's priority and fairness does), rank 1's
     pod is deleted and more pod events pass than the emulator keeps, so the watch that resumes
@@ -100,9 +123,8 @@ def test_ended_and_expired_watches_resume_without_duplicate_children(tmp_path, m
                 await c.apply(engine_manifest(ranks=3))
                 await _ready_children(c, 3)
                 for _ in range(3):  # the server ends every stream; kopf resumes each
-                    await c.request("GET", CONTROL)
+                    await _cut_watches(c)
                     await c.coordinator_available()
-                    await asyncio.sleep(0.3)
                 await c.all_ready()
                 await eventually(lambda: c.status().get("rankSummary") == "3/3", what="3/3")
                 assert _requests(c, "POST", "/pods") == {f"llama-engine-{r}": 1 for r in range(3)}
@@ -175,7 +197,9 @@ def _fail_once(
 
 def test_conflicting_status_write_is_retried_with_the_current_state(tmp_path):
     """One 409 on the status subresource: the operator writes the status again, and what it
-    writes is the state at the retry (both ranks Ready), not the one it computed before."""
+    writes is the state at the retry (both ranks Ready), not the one it computed before.
+
+    Emulator: the 409 is forced on one chosen write; a real server's conflicts depend on timing."""
 
     async def scenario():
         async with cluster(tmp_path / "kubeconfig") as c:
@@ -196,7 +220,10 @@ def test_conflicting_status_write_is_retried_with_the_current_state(tmp_path):
 
 def test_conflicting_child_update_is_retried_until_the_child_matches_the_spec(tmp_path):
     """One 409 on the engine ConfigMap's update after a spec change: it is patched again, and the
-    rollout that follows still replaces each rank exactly once."""
+    rollout that follows still replaces each rank exactly once.
+
+    Emulator: a merge patch without a resourceVersion never conflicts on a real server; the 409
+    is forced."""
 
     async def scenario():
         async with cluster(tmp_path / "kubeconfig", pod_termination_seconds=0.3) as c:
@@ -237,7 +264,9 @@ def test_conflicting_child_update_is_retried_until_the_child_matches_the_spec(tm
 def test_conflict_seen_only_by_the_timer_is_retried_soon(tmp_path):
     """A change no pod event reports (the coordinator lost its pod) reaches the status through
     the timer; one 409 on that write is retried within the timer's period (1 s here), not after
-    kopf's default back-off for a failed handler (60 s)."""
+    kopf's default back-off for a failed handler (60 s).
+
+    Emulator: the 409 is forced on the timer's status write."""
 
     async def scenario():
         async with cluster(tmp_path / "kubeconfig") as c, running_operator():
@@ -268,7 +297,9 @@ def test_an_overloaded_or_failing_api_seen_only_by_the_timer_is_retried_soon(
 ):
     """As with a 409 above, but the API itself failed (429 from API Priority and Fairness, a 503
     while it restarts): the timer's status write is retried in seconds (TRANSIENT_RETRY), not
-    after kopf's default back-off (60 s)."""
+    after kopf's default back-off (60 s).
+
+    Emulator: a real server answers 429 or 503 only when overloaded or restarting."""
 
     async def scenario():
         async with cluster(tmp_path / "kubeconfig") as c, running_operator():
