@@ -59,6 +59,15 @@ def apply_crd(api: ControlPlane, path: Path = CRD_FILE) -> None:
     api.apply_crds(path)
 
 
+@pytest.fixture(scope="module")
+def module_api_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """One control plane with the InferenceEngine CRD for a module whose tests leave nothing
+    the next one would see (they read, or are refused)."""
+    with ControlPlane(tmp_path_factory.mktemp("control-plane")) as api:
+        apply_crd(api)
+        yield api
+
+
 @pytest.fixture
 def api_server(tmp_path: Path) -> Iterator[ControlPlane]:
     """A fresh control plane with the InferenceEngine CRD (see the module docstring)."""
