@@ -25,7 +25,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integration" / "operator"))
 os.environ.setdefault("COREFLEET_OPERATOR_ADMIN_PROBE", "0")  # no coordinator runs here
 
-from operator_harness import IE_URL, cluster, engine_manifest, run, running_operator  # noqa: E402
+from emulated_cluster import emulated_cluster  # noqa: E402
+from operator_harness import IE_URL, engine_manifest, run  # noqa: E402
+from operator_run import running_operator  # noqa: E402
 
 CHILD_PATHS = (
     "v1/services",
@@ -44,7 +46,7 @@ def _created(emu) -> int:
 
 async def one_run(engines: int, kubeconfig: pathlib.Path, timeout: float = 120.0) -> float:
     """Seconds from the first apply to the last child of `engines` engines."""
-    async with cluster(kubeconfig) as c, running_operator():
+    async with emulated_cluster(kubeconfig) as c, running_operator():
         manifests = [engine_manifest(name=f"engine-{i:03d}", ranks=2) for i in range(engines)]
         want = engines * CHILDREN_PER_ENGINE
         started = time.perf_counter()

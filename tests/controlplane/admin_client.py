@@ -1,8 +1,8 @@
 """What a test does with a cluster as its admin: API calls, object look-ups, and the real kubectl.
 
-`AdminClient` is the part of `ControlPlane` that tests call; the names and signatures are those
-of the emulator harness's `ApiServer` (tests/e2e/apiserver.py), so a test reads the same against
-either, with `obj`/`objs` standing in for the emulator's in-process look-ups.
+`AdminClient` is the part of `ControlPlane` that tests call: requests as the admin, object
+look-ups (`obj`, `objs`), the real kubectl with the admin's kubeconfig, and CRDs applied and
+waited on until Established.
 """
 
 from __future__ import annotations

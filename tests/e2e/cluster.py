@@ -36,9 +36,9 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
-from apiserver import wait_until
 from container_spec import Image
 from control_plane import ControlPlane
+from e2e_support import wait_until
 from kubelet import Kubelet, NodeIdentity
 from node_object import NODE, NodeSize
 from operator_identity import install_chart, operator_kubeconfig

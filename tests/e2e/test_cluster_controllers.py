@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from apiserver import wait_until
 from control_plane import REPO, ControlPlane
+from e2e_support import wait_until
 from operator_identity import install_chart, operator
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

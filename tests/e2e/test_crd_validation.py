@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import yaml
-from apiserver import CRD_FILE, REPO
 from control_plane import ControlPlane
+from e2e_support import CRD_FILE, REPO
 
 sys.path.insert(0, str(REPO / "tests" / "unit" / "operator"))  # it imports crdcheck by name
 from test_operator_crd import INVALID as OFFLINE_INVALID

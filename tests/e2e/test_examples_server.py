@@ -28,8 +28,8 @@ from typing import Any
 
 import pytest
 import yaml
-from apiserver import REPO, wait_until
 from control_plane import ControlPlane
+from e2e_support import REPO, wait_until
 
 from tests.unit.operator import crdcheck
 

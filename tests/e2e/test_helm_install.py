@@ -22,8 +22,8 @@ import time
 from typing import Any
 
 import pytest
-from apiserver import wait_until
 from control_plane import REPO, ControlPlane
+from e2e_support import wait_until
 from operator_identity import CHART, deployment_argv, helm, operator
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import yaml
 from admin_client import KUBECTL, MERGE
-from apiserver import CRD_FILE, REPO, parse_table, wait_until
 from control_plane import ControlPlane
+from e2e_support import CRD_FILE, REPO, parse_table, wait_until
 
 pytestmark = pytest.mark.e2e
 EXAMPLE = REPO / "examples" / "smollm2-cpu.yaml"

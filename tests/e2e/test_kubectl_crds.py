@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 from admin_client import MERGE
-from apiserver import CRD_FILE, REPO, wait_until
 from control_plane import ControlPlane
+from e2e_support import CRD_FILE, REPO, wait_until
 
 pytestmark = pytest.mark.e2e
 EXAMPLE = REPO / "examples" / "smollm2-cpu.yaml"

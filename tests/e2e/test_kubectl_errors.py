@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import yaml
 from admin_client import MERGE
-from apiserver import REPO
 from control_plane import ControlPlane
+from e2e_support import REPO
 
 pytestmark = pytest.mark.e2e
 EXAMPLE = REPO / "examples" / "smollm2-cpu.yaml"

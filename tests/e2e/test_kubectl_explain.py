@@ -18,8 +18,8 @@ from collections.abc import Iterator
 
 import pytest
 import yaml
-from apiserver import CRD_FILE, REPO, parse_table, wait_until
 from control_plane import ControlPlane
+from e2e_support import CRD_FILE, REPO, parse_table, wait_until
 
 pytestmark = pytest.mark.e2e
 EXAMPLE = REPO / "examples" / "smollm2-cpu.yaml"

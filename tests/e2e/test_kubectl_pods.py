@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import yaml
 from admin_client import MERGE
-from apiserver import parse_table, wait_until
 from control_plane import ControlPlane
+from e2e_support import parse_table, wait_until
 
 pytestmark = pytest.mark.e2e
 PODS = "/api/v1/namespaces/default/pods"

@@ -17,8 +17,8 @@ import subprocess
 import sys
 import time
 
-from apiserver import wait_until
 from control_plane import REPO, ControlPlane
+from e2e_support import wait_until
 
 README = REPO / "README.md"
 SECTION = "## On Kubernetes: the operator"

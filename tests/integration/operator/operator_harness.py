@@ -232,18 +232,3 @@ def printer_columns(obj: Mapping[str, Any]) -> dict[str, Any]:
     """What `kubectl get ie` shows for an object, from the CRD's additionalPrinterColumns."""
     columns = CRD["spec"]["versions"][0]["additionalPrinterColumns"]
     return {c["name"].upper(): _json_path(obj, c["jsonPath"]) for c in columns}
-
-
-def __getattr__(name: str) -> Any:
-    """The harness's former names, which benchmarks/operator_reconcile.py still imports from
-    here: `cluster` (the emulator, now `emulated_cluster.emulated_cluster`) and
-    `running_operator` (now in `operator_run`)."""
-    if name == "cluster":
-        from emulated_cluster import emulated_cluster
-
-        return emulated_cluster
-    if name == "running_operator":
-        from operator_run import running_operator
-
-        return running_operator
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
