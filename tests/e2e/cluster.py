@@ -198,7 +198,9 @@ class LocalCluster:
         assert self.kubelet is not None
         env = {
             **os.environ,
-            "KUBECONFIG": str(operator_kubeconfig(self.api, self.folder / "operator.kubeconfig")),
+            "KUBECONFIG": str(
+                operator_kubeconfig(self.api, self.folder / "operator.kubeconfig")[0]
+            ),
             "COREFLEET_OPERATOR_TIMER_SECONDS": str(self._timer),
         }
         operator = str(pathlib.Path(sys.executable).parent / "corefleet-operator")

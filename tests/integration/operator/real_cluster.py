@@ -42,7 +42,6 @@ from chart_install import (
     helm,
     install_chart,
     operator_kubeconfig,
-    wait_established,
 )
 from control_plane import ControlPlane, binaries
 from operator_harness import REPO, Cluster, eventually, running_status
@@ -111,7 +110,7 @@ class RealCluster(Cluster):
         for crd in PEERING_CRDS:
             await self.request("POST", CRD_URL, crd)
         for crd in PEERING_CRDS:
-            await asyncio.to_thread(wait_established, self.api, crd["metadata"]["name"])
+            await asyncio.to_thread(self.api.wait_established, crd["metadata"]["name"])
 
 
 def _start_controller_manager(api: ControlPlane) -> None:

@@ -24,13 +24,12 @@ import json
 import pathlib
 import subprocess
 import sys
-import time
 from typing import Any
 
 import yaml
 from control_plane import ControlPlane
 
-REPO = pathlib.Path(__file__).resolve().parents[3]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "corefleet"
 RELEASE, NAMESPACE = "corefleet", "corefleet-system"
 SERVICE_ACCOUNT = "corefleet"  # the chart's fullname for release "corefleet"
@@ -75,20 +74,7 @@ def install_chart(api: ControlPlane, values: tuple[str, ...] = CLUSTER_WIDE) -> 
         url, namespaced = COLLECTIONS[doc["kind"]]
         namespace = doc["metadata"].get("namespace") or NAMESPACE
         api.request("POST", url.format(ns=namespace) if namespaced else url, doc, expect=201)
-    wait_established(api, CRD_NAME)
-
-
-def wait_established(api: ControlPlane, name: str, timeout: float = 60.0) -> None:
-    """Wait until a CRD is Established (its kind served)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        crd = api.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}") or {}
-        conditions = (crd.get("status") or {}).get("conditions") or []
-        if any(c["type"] == "Established" and c["status"] == "True" for c in conditions):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"CRD {name} not Established after {timeout}s: {crd}")
-        time.sleep(0.1)
+    api.wait_established(CRD_NAME)
 
 
 def service_account_token(api: ControlPlane, namespace: str, name: str) -> str:
