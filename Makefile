@@ -49,8 +49,8 @@ typecheck: $(STAMP)
 
 # The real Kubernetes control plane the operator and e2e tests run against: kube-apiserver,
 # kube-controller-manager and kube-scheduler built from the Go module proxy at the release
-# tools/controlplane/go.mod pins, cached outside the clone (~/.cache/corefleet), and Debian's
-# etcd (installed when missing). Cold, on 2 cores, the Go build is most of `make test`'s time.
+# tools/controlplane/go.mod pins, with the etcd it pins, cached outside the clone
+# (~/.cache/corefleet). Cold, on 2 cores, the Go build is most of `make test`'s time.
 cluster-bin:
 	tools/controlplane/build.sh
 
@@ -61,3 +61,10 @@ test: kernels lint typecheck cluster-bin
 
 clean:
 	rm -rf $(VENV) build *.egg-info kernels/cpu/_ops_*.so
+
+# KWOK's controller and etcd 3.6 for benchmarks/operator_scale.py (the operator against 100
+# fake nodes), built from the Go module proxy at the releases tools/kwok/go.mod pins and cached
+# like cluster-bin's (~/.cache/corefleet/kwok). Not part of `make test`.
+.PHONY: kwok-bin
+kwok-bin:
+	tools/kwok/build.sh

@@ -1,8 +1,9 @@
 """A real Kubernetes control plane on loopback: etcd, kube-apiserver, controller manager, scheduler.
 
 The binaries are the ones `make cluster-bin` builds (tools/controlplane/build.sh): the release
-that tools/controlplane/go.mod pins, and Debian's etcd. `binaries()` finds them (the folder
-COREFLEET_CONTROLPLANE_BIN names, or the cache the build script fills) or says why it cannot.
+that tools/controlplane/go.mod pins, and the etcd it pins. `binaries()` finds them (the folder
+COREFLEET_CONTROLPLANE_BIN names, or the build script's cache folder for the current go.mod,
+go.sum and script) or says why it cannot.
 
     with ControlPlane(tmp_path / "cluster") as cp:
         cp.kubectl("apply", "-f", "crds/")
@@ -27,6 +28,7 @@ import os
 import pathlib
 import shutil
 import ssl
+import subprocess
 import tempfile
 from collections.abc import Sequence
 from typing import Any
@@ -45,20 +47,25 @@ SERVICE_CIDR = "10.96.0.0/16"
 def binaries() -> pathlib.Path | str:
     """The folder of the control-plane binaries, or the reason there is none."""
     env = os.environ.get("COREFLEET_CONTROLPLANE_BIN")
-    candidates = [pathlib.Path(env)] if env else []
     cache = pathlib.Path(
         os.environ.get("COREFLEET_CACHE", pathlib.Path.home() / ".cache" / "corefleet")
     )
     release = _pinned_release()
-    key_dirs = sorted((cache / "controlplane").glob(f"kubernetes-{release}-*"), reverse=True)
-    candidates += [d for d in key_dirs if not d.name.count(".partial")]
-    for folder in candidates:
-        if all(os.access(folder / name, os.X_OK) for name in BINARIES):
-            return folder
+    folder = pathlib.Path(env) if env else cache / "controlplane" / f"kubernetes-{release}-{_key()}"
+    if all(os.access(folder / name, os.X_OK) for name in BINARIES):
+        return folder
     return (
-        f"no Kubernetes {release} control plane built: run `make cluster-bin` "
+        f"no Kubernetes {release} control plane built at {folder}: run `make cluster-bin` "
         f"({BUILD_SCRIPT.relative_to(REPO)}), or set COREFLEET_CONTROLPLANE_BIN"
     )
+
+
+def _key() -> str:
+    """The build's cache key, as build.sh computes it (POSIX cksum of go.mod, go.sum, itself)."""
+    files = [BUILD_SCRIPT.parent / "go.mod", BUILD_SCRIPT.parent / "go.sum", BUILD_SCRIPT]
+    data = b"".join(f.read_bytes() for f in files)
+    done = subprocess.run(["cksum"], input=data, capture_output=True, check=True, timeout=30)
+    return done.stdout.split()[0].decode()
 
 
 def _pinned_release() -> str:

@@ -214,7 +214,7 @@ def test_gpu_pods_stay_pending_with_the_schedulers_message(node: LocalCluster) -
         node.api.request("POST", PODS, pod, expect=201)
     wait_for(
         lambda: _status(node, "gpu").get("conditions") and _status(node, "arm").get("conditions"),
-        10,
+        60,
         "scheduling",
     )
     gpu_cond = _status(node, "gpu")["conditions"][0]
@@ -277,7 +277,7 @@ def test_a_deployment_keeps_its_pods_and_recreates_them_on_a_new_template(
             .get("availableReplicas")
             == 2
         ),
-        10,
+        60,
         "status",
     )
     assert dep
@@ -361,7 +361,7 @@ def test_an_unknown_image_fails_like_a_pull(node: LocalCluster) -> None:
             _container(node, "nope").get("state", {}).get("waiting", {}).get("reason")
             in ("ErrImagePull", "ImagePullBackOff")
         ),
-        10,
+        60,
         "a pull error",
     )
     assert "example.com/nothing:1" in _container(node, "nope")["state"]["waiting"]["message"]

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Builds (or reuses) the real Kubernetes control plane the tests run against, and prints the
 # folder that holds it: kube-apiserver, kube-controller-manager and kube-scheduler of the release
-# this folder's go.mod pins, built from the Go module proxy, and etcd from Debian's etcd-server.
+# this folder's go.mod pins, and the etcd that release pins (v3.6.8), built from the Go module
+# proxy. Not Debian's etcd-server: its 3.4.23 lacks RequestWatchProgress, which kube-apiserver
+# 1.36 needs for a watch from "now" with bookmarks (it answers such a watch with an ERROR event,
+# and clients that watch that way, kwok's informers among them, see changes only on relists).
 #
 #   bin=$(tools/controlplane/build.sh)      # `make cluster-bin` runs it
 #
@@ -17,6 +20,7 @@ release="$(awk '$1 == "k8s.io/kubernetes" {print $2}' "$here/go.mod")"
 key="$(cat "$here/go.mod" "$here/go.sum" "$0" | cksum | cut -d' ' -f1)"
 out="$cache/controlplane/kubernetes-$release-$key"
 tools=(kube-apiserver kube-controller-manager kube-scheduler)
+etcd_module=go.etcd.io/etcd/server/v3
 
 log() { echo "controlplane: $*" >&2; }
 
@@ -33,7 +37,7 @@ build_kubernetes() {
     ldflags+=" -X $version_pkg.gitVersion=$release -X $version_pkg.gitMajor=1"
     ldflags+=" -X $version_pkg.gitMinor=$minor -X $version_pkg.gitTreeState=clean"
   done
-  log "building Kubernetes $release (${tools[*]}) into $out; on 2 cores this takes a while"
+  log "building Kubernetes $release (${tools[*]}) and etcd into $out; on 2 cores this takes a while"
   local partial="$out.partial.$$"
   rm -rf "$partial"
   mkdir -p "$partial"
@@ -42,25 +46,12 @@ build_kubernetes() {
     # CGO off: static binaries, as the release builds them; -mod=readonly: go.sum is the truth.
     CGO_ENABLED=0 GOFLAGS=-mod=readonly go build -trimpath -ldflags "-s -w$ldflags" \
       -o "$partial/" "${tools[@]/#/k8s.io/kubernetes/cmd/}"
+    CGO_ENABLED=0 GOFLAGS=-mod=readonly go build -trimpath -ldflags "-s -w" \
+      -o "$partial/etcd" "$etcd_module"
   )
   rm -rf "$out"
   mv "$partial" "$out"
 }
 
-install_etcd() {
-  command -v etcd >/dev/null && return
-  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
-    log "etcd is missing: install Debian's etcd-server (or any etcd 3.4+ on PATH)"
-    exit 1
-  fi
-  log "installing Debian's etcd-server"
-  apt-get update -qq >&2
-  # The package starts a system etcd on :2379; the tests run their own on free ports.
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >&2
-  command -v systemctl >/dev/null && systemctl disable --now etcd >/dev/null 2>&1 || true
-}
-
-[ -x "$out/kube-apiserver" ] || build_kubernetes
-install_etcd
-ln -sf "$(command -v etcd)" "$out/etcd"
+[ -x "$out/etcd" ] || build_kubernetes
 echo "$out"
