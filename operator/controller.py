@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
+import aiohttp
 import kopf
 
 from corefleet.operator import admin
@@ -323,6 +324,14 @@ async def reconcile_engine(
                     delay=TRANSIENT_RETRY,
                 ) from exc
             raise
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            # No answer within the client's timeout, or no connection: the API failed, as with
+            # a 5xx (a slow Service create on a loaded API server, seen at 200 engines).
+            runtime.last_status.pop(key, None)
+            raise kopf.TemporaryError(
+                f"API unreachable, retrying in {TRANSIENT_RETRY:.0f} s: {exc!r}",
+                delay=TRANSIENT_RETRY,
+            ) from exc
 
 
 async def _reconcile_locked(

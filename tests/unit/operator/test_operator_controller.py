@@ -11,6 +11,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any, cast
 
+import aiohttp
+import kopf
+import pytest
 from operator_fixtures import OWNER, spec
 
 from corefleet.operator import controller
@@ -84,3 +87,22 @@ def test_a_create_answered_409_posts_no_event(monkeypatch):
     asyncio.run(controller._execute(runtime, KEY, actions, {}, {}, cast(Any, logger)))
     assert client.created == ["llama-engine-1"]
     assert posted == ["rank 1"]
+
+
+def test_an_api_that_does_not_answer_is_retried_soon_as_a_5xx(monkeypatch):
+    # A request past the client's timeout (or a failed connection) must not fall through to
+    # kopf's default 60 s back-off for a plain exception.
+    for failure in (TimeoutError(), aiohttp.ClientConnectionError("refused")):
+
+        async def unanswered(*_args: Any, failure: Exception = failure) -> None:
+            raise failure
+
+        monkeypatch.setattr(controller, "_reconcile_locked", unanswered)
+        runtime = Runtime()
+        runtime.last_status[KEY] = {"stale": True}
+        body = {"metadata": {"namespace": KEY[0], "name": KEY[1]}}
+        logger = cast(Any, logging.getLogger("test"))
+        with pytest.raises(kopf.TemporaryError) as raised:
+            asyncio.run(controller.reconcile_engine(body, runtime, cast(Any, {}), logger))
+        assert raised.value.delay == controller.TRANSIENT_RETRY
+        assert KEY not in runtime.last_status
