@@ -42,6 +42,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "tools" / "controlplane" / "build.sh"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 SERVICE_CIDR = "10.96.0.0/16"
+ETCD_DATA_PREFIX = "corefleet-etcd-"  # + the test process's pid: see _remove_orphaned_data
 
 
 def binaries() -> pathlib.Path | str:
@@ -74,6 +75,14 @@ def _pinned_release() -> str:
         if len(words) >= 2 and words[0] == "k8s.io/kubernetes":
             return words[1]
     raise RuntimeError("tools/controlplane/go.mod pins no k8s.io/kubernetes")
+
+
+def _remove_orphaned_data(root: pathlib.Path) -> None:
+    """Remove etcd data folders whose test process is gone (a run killed outright)."""
+    for folder in root.glob(f"{ETCD_DATA_PREFIX}*-*"):
+        pid = folder.name[len(ETCD_DATA_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not pathlib.Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def kubeconfig(server: str, ca: pathlib.Path, user: Credential, name: str) -> dict[str, Any]:
@@ -183,9 +192,9 @@ class ControlPlane(AdminClient):
 
     def _start_etcd(self) -> None:
         shm = pathlib.Path("/dev/shm")
-        data = pathlib.Path(
-            tempfile.mkdtemp(prefix="etcd-", dir=shm if shm.is_dir() else self.folder)
-        )
+        root = shm if shm.is_dir() else self.folder
+        _remove_orphaned_data(root)
+        data = pathlib.Path(tempfile.mkdtemp(prefix=f"{ETCD_DATA_PREFIX}{os.getpid()}-", dir=root))
         self._stack.callback(shutil.rmtree, data, True)
         client, peer = free_port(), free_port()
         self.etcd_url = f"http://127.0.0.1:{client}"
