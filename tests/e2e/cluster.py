@@ -154,6 +154,7 @@ class LocalCluster:
             )
             self.kubelet.start()
             self._stack.callback(self.kubelet.stop)
+            wait_for(self._node_schedulable, 120, "the node's not-ready taint to go", 0.2)
             if self._with_operator:
                 install_chart(self.api)
                 self.operator = self._start_operator()
@@ -170,6 +171,16 @@ class LocalCluster:
         tb: TracebackType | None,
     ) -> None:
         self._stack.close()
+
+    def _node_schedulable(self) -> bool:
+        # A new Node gets the node.kubernetes.io/not-ready:NoSchedule taint (TaintNodesByCondition
+        # admission) until the node lifecycle controller sees it Ready; a pod created before that
+        # is refused for the taint, as on a cluster whose node has just joined.
+        node = self.api.obj("v1/nodes", "", NODE) or {}
+        taints = (node.get("spec") or {}).get("taints") or []
+        return bool(node) and not any(
+            t.get("key") == "node.kubernetes.io/not-ready" for t in taints
+        )
 
     def kubectl(self, *args: str, check: bool = True, timeout: float = 30) -> str:
         """Run the real kubectl against this cluster; its standard output."""
