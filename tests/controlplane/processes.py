@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import pathlib
+import random
 import signal
 import socket
 import subprocess
@@ -15,6 +16,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 PR_SET_PDEATHSIG = 1
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+# Ports are drawn from the PORT_SPAN ports below the ephemeral range, never below PORT_FLOOR
+# (the registered ports well-known services listen on).
+PORT_SPAN = 12000
+PORT_FLOOR = 10000
+_handed_out: set[int] = set()
 
 
 def _die_with_parent() -> None:
@@ -24,11 +31,43 @@ def _die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = pathlib.Path(EPHEMERAL_RANGE_FILE).read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on now, outside the ephemeral range.
+
+    Not `bind(0)`: that hands out a port of the ephemeral range, which the kernel also gives
+    to outgoing connections as their source port. Between our probe and the component's own
+    bind, one of the hundreds of connections the API server opens to etcd (or a client to the
+    API server) could take it: seen in CI as "bind: address already in use" for etcd and for
+    kube-apiserver. A port below the range is never a source port, so only another listener
+    could take it, and the probe rules out the ones listening now.
+
+    A port is handed out once per process: two calls before either port is bound (etcd's
+    client and peer ports) must not get the same one, as two `bind(0)` probes can.
+    """
+    low, _ = _ephemeral_range()
+    floor = max(PORT_FLOOR, low - PORT_SPAN)
+    if len(_handed_out) > (low - floor) // 2:
+        _handed_out.clear()  # a long run: the earliest ones are long closed
+    for _ in range(200):
+        port = random.randrange(floor, low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {floor}-{low - 1} after 200 tries")
 
 
 class Component:
