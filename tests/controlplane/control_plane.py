@@ -114,6 +114,8 @@ class ControlPlane(AdminClient):
 
     Attributes, valid inside the `with` block: `url` ("https://127.0.0.1:PORT"), `kubeconfig`
     (the admin's, `system:masters`), `pki` (the CA and `issue()` for more users), `folder`.
+    `crds`: CRD files applied and Established before the controller manager starts, as on a
+    cluster where they were installed earlier.
     """
 
     def __init__(
@@ -124,6 +126,7 @@ class ControlPlane(AdminClient):
         scheduler: bool = True,
         start_timeout: float = 120.0,
         extra_apiserver_flags: Sequence[str] = (),
+        crds: Sequence[pathlib.Path] = (),
     ) -> None:
         found = binaries()
         if isinstance(found, str):
@@ -134,6 +137,7 @@ class ControlPlane(AdminClient):
         self._with_kcm, self._with_scheduler = controller_manager, scheduler
         self._timeout = start_timeout
         self._extra = list(extra_apiserver_flags)
+        self._crds = list(crds)
         self._components: list[Component] = []
         self._stack = contextlib.ExitStack()
 
@@ -144,6 +148,11 @@ class ControlPlane(AdminClient):
             self.pki = Pki(self.folder / "pki")
             self._start_etcd()
             self._start_apiserver()
+            for path in self._crds:
+                # Before the controller manager: its garbage collector learns the resources
+                # it follows owner references to at start, then only every 30 s, so a kind
+                # installed later leaves its children's collection waiting for that.
+                self.apply_crds(path, timeout=self._timeout)
             if self._with_kcm:
                 self.start_controller_manager()
             if self._with_scheduler:

@@ -38,7 +38,7 @@ from typing import Any
 
 from container_spec import Image
 from control_plane import ControlPlane
-from e2e_support import wait_until
+from e2e_support import CRD_FILE, wait_until
 from kubelet import Kubelet, NodeIdentity
 from node_object import NODE, NodeSize
 from operator_identity import install_chart, operator_kubeconfig
@@ -131,7 +131,8 @@ class LocalCluster:
         node: NodeSize = EXAMPLE_NODE,
     ) -> None:
         self.folder = folder
-        self.api = ControlPlane(folder / "control-plane")
+        # The CRD before the controller manager: its garbage collector knows the kind at once.
+        self.api = ControlPlane(folder / "control-plane", crds=[CRD_FILE])
         self.kubelet: Kubelet | None = None
         self.operator: subprocess.Popen[bytes] | None = None
         self._backoff_base, self._timer = backoff_base, operator_timer

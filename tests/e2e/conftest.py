@@ -10,8 +10,9 @@ COREFLEET_REQUIRE_CONTROLPLANE=1, which turns that skip into a failure.
 Fixtures:
 - `api_server` -> `control_plane.ControlPlane`, function-scoped and already entered: a fresh
   etcd, kube-apiserver, controller manager and scheduler on 127.0.0.1 with the InferenceEngine
-  CRD applied and Established; its admin kubeconfig is `api_server.kubeconfig`. Stopped after
-  the test. No node: pods stay Pending unless a test starts a `LocalCluster`.
+  CRD applied and Established (before the controller manager started); its admin kubeconfig
+  is `api_server.kubeconfig`. Stopped after the test. No node: pods stay Pending unless a test
+  starts a `LocalCluster`.
 """
 
 from __future__ import annotations
@@ -54,23 +55,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-def apply_crd(api: ControlPlane, path: Path = CRD_FILE) -> None:
-    """`kubectl apply` a CRD file and wait until its kinds are served."""
-    api.apply_crds(path)
-
-
 @pytest.fixture(scope="module")
 def module_api_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
     """One control plane with the InferenceEngine CRD for a module whose tests leave nothing
     the next one would see (they read, or are refused)."""
-    with ControlPlane(tmp_path_factory.mktemp("control-plane")) as api:
-        apply_crd(api)
+    with ControlPlane(tmp_path_factory.mktemp("control-plane"), crds=[CRD_FILE]) as api:
         yield api
 
 
 @pytest.fixture
 def api_server(tmp_path: Path) -> Iterator[ControlPlane]:
     """A fresh control plane with the InferenceEngine CRD (see the module docstring)."""
-    with ControlPlane(tmp_path / "control-plane") as api:
-        apply_crd(api)
+    with ControlPlane(tmp_path / "control-plane", crds=[CRD_FILE]) as api:
         yield api

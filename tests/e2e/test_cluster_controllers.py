@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from control_plane import REPO, ControlPlane
-from e2e_support import wait_until
+from e2e_support import CRD_FILE, wait_until
 from operator_identity import install_chart, operator
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -33,7 +33,9 @@ MERGE = "application/merge-patch+json"
 @pytest.fixture
 def cluster(tmp_path: pathlib.Path) -> Iterator[ControlPlane]:
     """A control plane (no scheduler: no node) with the operator as the chart installs it."""
-    with ControlPlane(tmp_path / "api", scheduler=False) as api:
+    # The CRD before the controller manager (as the chart installed earlier would leave it):
+    # the garbage collector and the disruption controller know the kind from their start.
+    with ControlPlane(tmp_path / "api", scheduler=False, crds=[CRD_FILE]) as api:
         install_chart(api)
         binary = pathlib.Path(sys.executable).parent / "corefleet-operator"
         command = [str(binary), "--standalone", "--all-namespaces", "--liveness="]
