@@ -55,9 +55,13 @@ cluster-bin:
 	tools/controlplane/build.sh
 
 # COREFLEET_REQUIRE_CONTROLPLANE: a test that needs the control plane fails instead of skipping.
+# TEST_WORKERS pytest-xdist workers, each given whole test files (module fixtures start once):
+# most e2e and integration tests wait on the processes they started, and one worker left a
+# core of the 2-core CI idle half the time. --durations: the slowest tests, in CI's log.
+TEST_WORKERS ?= 2
 test: kernels lint typecheck cluster-bin
 	COREFLEET_CONTROLPLANE_BIN="$$(tools/controlplane/build.sh)" COREFLEET_REQUIRE_CONTROLPLANE=1 \
-		$(PY) -m pytest -q tests
+		$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info kernels/cpu/_ops_*.so

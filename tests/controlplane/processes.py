@@ -7,6 +7,7 @@ outright (a CI timeout, a SIGKILL) leaves no API server or etcd behind.
 from __future__ import annotations
 
 import ctypes
+import os
 import pathlib
 import random
 import signal
@@ -39,6 +40,20 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+def _port_slice() -> tuple[int, int]:
+    """[floor, ceiling): the ports this process draws from. Under pytest-xdist each worker
+    has a slice of its own, so two workers never draw the same port."""
+    low, _ = _ephemeral_range()
+    floor = max(PORT_FLOOR, low - PORT_SPAN)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ...
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or workers <= 1:
+        return floor, low
+    size = (low - floor) // workers
+    start = floor + int(worker[2:]) % workers * size
+    return start, start + size
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now, outside the ephemeral range.
 
@@ -52,8 +67,7 @@ def free_port() -> int:
     A port is handed out once per process: two calls before either port is bound (etcd's
     client and peer ports) must not get the same one, as two `bind(0)` probes can.
     """
-    low, _ = _ephemeral_range()
-    floor = max(PORT_FLOOR, low - PORT_SPAN)
+    floor, low = _port_slice()
     if len(_handed_out) > (low - floor) // 2:
         _handed_out.clear()  # a long run: the earliest ones are long closed
     for _ in range(200):

@@ -25,6 +25,7 @@ def test_a_free_port_lies_below_the_ephemeral_range_and_binds() -> None:
 def test_a_port_someone_listens_on_is_never_handed_out(monkeypatch) -> None:
     # Narrow the draw to two ports and hold one: the draw gives the other, then nothing.
     low, _ = processes._ephemeral_range()
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # the whole range, not a slice
     monkeypatch.setattr(processes, "PORT_SPAN", 2)
     monkeypatch.setattr(processes, "PORT_FLOOR", low - 2)
     monkeypatch.setattr(processes, "_handed_out", set())
@@ -39,7 +40,20 @@ def test_a_port_someone_listens_on_is_never_handed_out(monkeypatch) -> None:
 def test_two_ports_asked_for_before_either_is_bound_differ(monkeypatch) -> None:
     # etcd's client and peer ports are both drawn before etcd binds either.
     low, _ = processes._ephemeral_range()
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # the whole range, not a slice
     monkeypatch.setattr(processes, "PORT_SPAN", 2)
     monkeypatch.setattr(processes, "PORT_FLOOR", low - 2)
     monkeypatch.setattr(processes, "_handed_out", set())
     assert {processes.free_port(), processes.free_port()} == {low - 2, low - 1}
+
+
+def test_xdist_workers_draw_from_disjoint_slices(monkeypatch) -> None:
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    slices = []
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        slices.append(range(*processes._port_slice()))
+    assert slices[0] and slices[1] and not set(slices[0]) & set(slices[1])
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    monkeypatch.setattr(processes, "_handed_out", set())
+    assert all(processes.free_port() in slices[1] for _ in range(20))
