@@ -71,7 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 
-    from corefleet.kernels.backend import select_kernel_backend
+    from corefleet.kernels.backend_selection import select_kernel_backend
     from corefleet.kernels.cpu import loader
 
     if args.library_dir is not None:

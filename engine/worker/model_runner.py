@@ -24,7 +24,7 @@ from corefleet.engine.worker.input_batch import InputBatch, RequestState, StepIn
 from corefleet.engine.worker.kv_budget import cpu_kv_cache_budget
 from corefleet.engine.worker.logit_masks import ban_stop_tokens_below_min_tokens, grammar_rows
 from corefleet.engine.worker.sampler import Sampler, SamplingMetadata
-from corefleet.kernels.backend import select_kernel_backend
+from corefleet.kernels.backend_selection import select_kernel_backend
 from corefleet.kernels.cpu.loader import cpu_flags
 from corefleet.kernels.gguf_quant import QuantFormat
 from corefleet.kernels.metadata import AttentionMetadata, PrefillSpan

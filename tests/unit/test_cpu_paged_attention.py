@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from corefleet.kernels import reference
-from corefleet.kernels.backend import KernelBackend, select_kernel_backend
+from corefleet.kernels.backend import KernelBackend
+from corefleet.kernels.backend_selection import select_kernel_backend
 from corefleet.kernels.cpu import backend as cpu_backend
 from corefleet.kernels.metadata import AttentionMetadata, PrefillSpan
 from tests.cpu_ops_support import load_cpu_ops_or_skip

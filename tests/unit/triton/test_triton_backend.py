@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corefleet.kernels import backend as backend_module
-from corefleet.kernels import flash_attn
-from corefleet.kernels.backend import KernelBackend, select_kernel_backend
+from corefleet.kernels import backend_selection, flash_attn
+from corefleet.kernels.backend import KernelBackend
+from corefleet.kernels.backend_selection import select_kernel_backend
 from corefleet.kernels.triton_ops import support as triton_support
 from corefleet.kernels.triton_ops.backend import TritonBackend
 from tests.kernel_cases import (
@@ -52,7 +52,7 @@ def test_flash_attn_fit(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_auto_on_cuda_prefers_flash_attn_then_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    best = backend_module._best_cuda_backend
+    best = backend_selection._best_cuda_backend
     monkeypatch.setattr(flash_attn, "flash_attn_installed", lambda: True)
     assert best(CUDA, torch.bfloat16, 256) == "flash-attn"
     assert best(CUDA, torch.bfloat16, 16) == "triton"  # flash-attn 2 pages are >= 256 tokens
