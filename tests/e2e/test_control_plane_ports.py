@@ -22,13 +22,20 @@ def test_a_free_port_lies_below_the_ephemeral_range_and_binds() -> None:
         sock.bind(("127.0.0.1", ports.pop()))
 
 
-def test_a_port_someone_listens_on_is_never_handed_out(monkeypatch) -> None:
-    # Narrow the draw to two ports and hold one: the draw gives the other, then nothing.
+def _only_the_two_ports_below_the_range(monkeypatch) -> int:
+    """Narrow the draw to the two ports below the ephemeral range, none handed out yet; returns
+    the range's lowest port."""
     low, _ = processes._ephemeral_range()
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # the whole range, not a slice
     monkeypatch.setattr(processes, "PORT_SPAN", 2)
     monkeypatch.setattr(processes, "PORT_FLOOR", low - 2)
     monkeypatch.setattr(processes, "_handed_out", set())
+    return low
+
+
+def test_a_port_someone_listens_on_is_never_handed_out(monkeypatch) -> None:
+    # Narrow the draw to two ports and hold one: the draw gives the other, then nothing.
+    low = _only_the_two_ports_below_the_range(monkeypatch)
     with socket.socket() as held:
         held.bind(("127.0.0.1", low - 2))
         held.listen()
@@ -39,11 +46,7 @@ def test_a_port_someone_listens_on_is_never_handed_out(monkeypatch) -> None:
 
 def test_two_ports_asked_for_before_either_is_bound_differ(monkeypatch) -> None:
     # etcd's client and peer ports are both drawn before etcd binds either.
-    low, _ = processes._ephemeral_range()
-    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # the whole range, not a slice
-    monkeypatch.setattr(processes, "PORT_SPAN", 2)
-    monkeypatch.setattr(processes, "PORT_FLOOR", low - 2)
-    monkeypatch.setattr(processes, "_handed_out", set())
+    low = _only_the_two_ports_below_the_range(monkeypatch)
     assert {processes.free_port(), processes.free_port()} == {low - 2, low - 1}
 
 
