@@ -36,13 +36,16 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
+from container_runtime import Runtime
 from container_spec import Image
 from control_plane import ControlPlane
 from e2e_support import CRD_FILE, wait_until
 from kubelet import Kubelet, NodeIdentity
 from node_object import NODE, NodeSize
 from operator_identity import install_chart, operator_kubeconfig
+from process_runtime import ProcessRuntime
 from processes import free_port
+from runc_runtime import RuncRuntime
 
 from corefleet.engine.models.default_model import default_model_path
 
@@ -118,7 +121,9 @@ class LocalCluster:
 
     `operator=False` leaves the operator out (a test of the node alone); `node` is what the
     node declares to the scheduler (`EXAMPLE_NODE` unless given; `node_object.this_machine()`
-    for this machine's own figures), GPUs included (nothing runs them).
+    for this machine's own figures), GPUs included (nothing runs them). `containers=True` runs
+    the pods from their images (built by `make images`) under runc instead of as processes of
+    this machine's installation (`runc_runtime.py`).
     """
 
     def __init__(
@@ -129,6 +134,7 @@ class LocalCluster:
         *,
         operator: bool = True,
         node: NodeSize = EXAMPLE_NODE,
+        containers: bool = False,
     ) -> None:
         self.folder = folder
         # The CRD before the controller manager: its garbage collector knows the kind at once.
@@ -137,19 +143,16 @@ class LocalCluster:
         self.operator: subprocess.Popen[bytes] | None = None
         self._backoff_base, self._timer = backoff_base, operator_timer
         self._with_operator, self._node = operator, node
+        self._containers = containers
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> LocalCluster:
         try:
             self._stack.enter_context(self.api)
-            images = [
-                corefleet_image("ghcr.io/corefleet/corefleet:*"),
-                corefleet_image("corefleet:*"),
-            ]
             self.kubelet = Kubelet(
                 node_identity(self.api),
                 self.folder / "node",
-                images,
+                self._runtime(),
                 self._backoff_base,
                 size=self._node,
             )
@@ -172,6 +175,15 @@ class LocalCluster:
         tb: TracebackType | None,
     ) -> None:
         self._stack.close()
+
+    def _runtime(self) -> Runtime:
+        if self._containers:
+            return RuncRuntime()
+        images = [
+            corefleet_image("ghcr.io/corefleet/corefleet:*"),
+            corefleet_image("corefleet:*"),
+        ]
+        return ProcessRuntime(images)
 
     def _node_schedulable(self) -> bool:
         # A new Node gets the node.kubernetes.io/not-ready:NoSchedule taint (TaintNodesByCondition

@@ -198,18 +198,27 @@ async def _key_ref(ref: Mapping[str, Any], plural: str, ns: str, fetch: Fetch) -
     return base64.b64decode(value).decode() if plural == "secrets" else str(value)
 
 
-async def resolve_env(
-    pod: Pod, container: Mapping[str, Any], image: Image, pod_ip: str, host_ip: str, fetch: Fetch
-) -> dict[str, str]:
-    """The container's environment: the image's basics, then its `env` in order."""
-    ns = (pod.get("metadata") or {}).get("namespace", "default")
-    spec = pod.get("spec") or {}
-    env = {
+def image_env(image: Image, pod: Pod) -> dict[str, str]:
+    """What a process-mode image's environment starts from, as a Debian image's would."""
+    return {
         "PATH": image.path,
         "HOME": "/root",
-        "HOSTNAME": spec.get("hostname") or pod["metadata"]["name"],
+        "HOSTNAME": (pod.get("spec") or {}).get("hostname") or pod["metadata"]["name"],
         "LANG": "C.UTF-8",
     }
+
+
+async def resolve_env(
+    pod: Pod,
+    container: Mapping[str, Any],
+    base: Mapping[str, str],
+    pod_ip: str,
+    host_ip: str,
+    fetch: Fetch,
+) -> dict[str, str]:
+    """The container's environment: the image's (`base`), then the container's `env` in order."""
+    ns = (pod.get("metadata") or {}).get("namespace", "default")
+    env = dict(base)
     for item in container.get("env") or ():
         source = item.get("valueFrom")
         if source is None:
@@ -233,6 +242,28 @@ async def resolve_env(
     return env
 
 
+async def volume_sources(
+    pod: Pod, container: Mapping[str, Any], pod_dir: pathlib.Path, fetch: Fetch, token_for: TokenFor
+) -> dict[str, pathlib.Path]:
+    """Each of the pod's volumes as a node folder (made and filled where it is the pod's), by
+    name; a `volumeMount` without its volume is the error the kubelet reports."""
+    try:
+        sources = {
+            v["name"]: await volume_source(
+                v, pod_dir / "volumes" / v["name"], pod, fetch, token_for
+            )
+            for v in (pod.get("spec") or {}).get("volumes") or ()
+        }
+    except VolumeError as exc:
+        raise ContainerConfigError(exc.reason, str(exc)) from exc
+    for mount in container.get("volumeMounts") or ():
+        if mount["name"] not in sources:
+            raise ContainerConfigError(
+                "CreateContainerConfigError", f"volumeMount {mount['name']!r} has no volume"
+            )
+    return sources
+
+
 async def plan_container(
     pod: Pod,
     image: Image,
@@ -245,25 +276,13 @@ async def plan_container(
     """Resolve the pod's first container into a plan (raises ContainerConfigError)."""
     spec = pod.get("spec") or {}
     container = (spec.get("containers") or [{}])[0]
-    env = await resolve_env(pod, container, image, pod_ip, host_ip, fetch)
+    env = await resolve_env(pod, container, image_env(image, pod), pod_ip, host_ip, fetch)
     argv = [expand(a, env) for a in [*container.get("command", []), *container.get("args", [])]]
     if not argv:
         raise ContainerConfigError("CreateContainerError", "no command: the image has no default")
     mounts = image_layer(image, pod_dir / "image")
-    try:
-        sources = {
-            v["name"]: await volume_source(
-                v, pod_dir / "volumes" / v["name"], pod, fetch, token_for
-            )
-            for v in spec.get("volumes") or ()
-        }
-    except VolumeError as exc:
-        raise ContainerConfigError(exc.reason, str(exc)) from exc
+    sources = await volume_sources(pod, container, pod_dir, fetch, token_for)
     for mount in container.get("volumeMounts") or ():
-        if mount["name"] not in sources:
-            raise ContainerConfigError(
-                "CreateContainerConfigError", f"volumeMount {mount['name']!r} has no volume"
-            )
         if mount["mountPath"].startswith(SECRETS_MOUNT_ROOT):
             os.makedirs(mount["mountPath"], exist_ok=True)  # an empty folder on the node
         if not os.path.exists(mount["mountPath"]):

@@ -117,15 +117,17 @@ class KubeApi:
         namespace: str,
         name: str,
         grace_seconds: int | None = None,
+        uid: str | None = None,
     ) -> None:
-        """DELETE an object (gracefully unless `grace_seconds` is 0); a missing one is fine."""
+        """DELETE an object (gracefully unless `grace_seconds` is 0); a missing one is fine.
+        With `uid`, only that object: a newer one of the same name stays (a 409 is fine too)."""
         url = f"{collection_url(group_version, plural, namespace)}/{name}"
-        body = None
+        body: dict[str, Any] | None = None
+        if grace_seconds is not None or uid is not None:
+            body = {"kind": "DeleteOptions", "apiVersion": "v1"}
         if grace_seconds is not None:
             url += f"?gracePeriodSeconds={grace_seconds}"
-            body = {
-                "kind": "DeleteOptions",
-                "apiVersion": "v1",
-                "gracePeriodSeconds": grace_seconds,
-            }
+            body = {**(body or {}), "gracePeriodSeconds": grace_seconds}
+        if uid is not None:
+            body = {**(body or {}), "preconditions": {"uid": uid}}
         await self.call("DELETE", url, body, ok_missing=True)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster_dns import hosts_entries, hosts_file
-from container_spec import Image
+from container_runtime import Runtime
 from kubeapi import KubeApi
 from kubelet_server import KubeletServer
 from netns import PodNetwork
@@ -66,14 +66,14 @@ class Kubelet:
         self,
         identity: NodeIdentity,
         root: pathlib.Path,
-        images: list[Image],
+        runtime: Runtime,
         backoff_base: float = 10.0,
         probe_period_cap: float = 1.0,
         sync_interval: float = 0.2,
         stop_grace: float = 10.0,
         size: NodeSize | None = None,
     ) -> None:
-        self.identity, self.root, self.images = identity, root, images
+        self.identity, self.root, self.runtime = identity, root, runtime
         self.backoff_base, self.probe_period_cap = backoff_base, probe_period_cap
         self.sync_interval, self.stop_grace = sync_interval, stop_grace
         self.size = size or this_machine()
@@ -204,7 +204,7 @@ class Kubelet:
             pod,
             api,
             self.network,
-            self.images,
+            self.runtime,
             self.root,
             self.network.gateway,
             self.backoff_base,

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import IO
 
 IP = shutil.which("ip") or "/usr/sbin/ip"
+IPTABLES = shutil.which("iptables")
 UNSHARE = shutil.which("unshare") or "/usr/bin/unshare"
 NETNS_ETC = pathlib.Path("/etc/netns")
 _OURS = re.compile(r"^cf(?:b|v|-)([0-9a-f]+)")
@@ -98,7 +99,34 @@ def remove_leftovers() -> list[str]:
         if match and not _pid_alive(int(match.group(1), 16)):
             _ip("link", "del", link, check=False)
             removed.append(link)
+    _remove_dead_forward_rules()
     return removed
+
+
+def _forward_rules(bridge: str, tag: str) -> list[list[str]]:
+    """FORWARD rules that let the bridge's traffic pass. Where dockerd runs, bridged frames go
+    through iptables (br_netfilter) and dockerd sets the FORWARD policy to DROP: pod to pod
+    would time out. The comment names the harness, for `remove_leftovers`."""
+    mark = ["-m", "comment", "--comment", f"cf-{tag}"]
+    return [["FORWARD", "-i", bridge, *mark, "-j", "ACCEPT"],
+            ["FORWARD", "-o", bridge, *mark, "-j", "ACCEPT"]]  # fmt: skip
+
+
+def _iptables(*args: str) -> None:
+    if IPTABLES is not None:
+        subprocess.run([IPTABLES, "-w", "10", *args], capture_output=True, timeout=60)
+
+
+def _remove_dead_forward_rules() -> None:
+    if IPTABLES is None:
+        return
+    listed = subprocess.run(
+        [IPTABLES, "-w", "10", "-S", "FORWARD"], capture_output=True, text=True, timeout=60
+    ).stdout
+    for line in listed.splitlines():
+        match = re.search(r'--comment "?cf-([0-9a-f]+)"?', line)
+        if line.startswith("-A ") and match and not _pid_alive(int(match.group(1), 16)):
+            _iptables("-D", *shlex.split(line)[1:])
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
@@ -212,6 +240,8 @@ class PodNetwork:
         try:
             _ip("addr", "add", f"{self.gateway}/{self.subnet.prefixlen}", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
+            for rule in _forward_rules(self.bridge, tag):
+                _iptables("-I", *rule)
         except SandboxError:
             _ip("link", "del", self.bridge, check=False)
             raise
@@ -265,3 +295,5 @@ class PodNetwork:
         for box in list(self.sandboxes.values()):
             self.destroy(box)
         _ip("link", "del", self.bridge, check=False)
+        for rule in _forward_rules(self.bridge, self._veth_tag):
+            _iptables("-D", *rule)

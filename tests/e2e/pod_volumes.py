@@ -114,6 +114,7 @@ async def volume_source(
         return pathlib.Path(volume["hostPath"]["path"])
     folder.mkdir(parents=True, exist_ok=True)
     if "emptyDir" in volume:
+        folder.chmod(0o777)  # as the kubelet makes it: any user of the pod may write there
         return folder
     for kind in ("secret", "configMap"):
         if kind in volume:

@@ -15,16 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import pathlib
-import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 import aiohttp
-from container_spec import ContainerConfigError, Image, find_image, plan_container
+from container_runtime import Container, ContainerRequest, Runtime
+from container_spec import ContainerConfigError
 from kubeapi import KubeApi
 from netns import PodNetwork, Sandbox
 from pod_status import ContainerState, now, pod_status, terminated
@@ -42,7 +41,7 @@ class PodWorker:
         pod: Mapping[str, Any],
         api: KubeApi,
         network: PodNetwork,
-        images: list[Image],
+        runtime: Runtime,
         root: pathlib.Path,
         host_ip: str,
         backoff_base: float,
@@ -52,7 +51,7 @@ class PodWorker:
         meta = pod["metadata"]
         self.pod: Mapping[str, Any] = pod
         self.namespace, self.name, self.uid = meta["namespace"], meta["name"], meta["uid"]
-        self.api, self.network, self.images = api, network, images
+        self.api, self.network, self.runtime = api, network, runtime
         self.dir = root / f"{self.namespace}_{self.name}_{self.uid[:8]}"
         self.log_path = root / "logs" / f"{self.namespace}_{self.name}.log"
         self.host_ip, self.backoff_base = host_ip, backoff_base
@@ -64,7 +63,7 @@ class PodWorker:
             name=first.get("name", "main"), image=first.get("image", "")
         )
         self.sandbox: Sandbox | None = None
-        self.process: subprocess.Popen[bytes] | None = None
+        self.running: Container | None = None  # the container's latest run
         self.deleting = asyncio.Event()
         self.grace_seconds = float(spec.get("terminationGracePeriodSeconds", 30))
         self.start_time = now()
@@ -85,7 +84,12 @@ class PodWorker:
     @property
     def pid(self) -> int | None:
         """The container's main process while it runs."""
-        return self.process.pid if self.process and self.process.poll() is None else None
+        return self.running.pid if self.running else None
+
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        """What the worker waits for: the container's process (or its runtime's)."""
+        return self.running.process if self.running else None
 
     # --- the life of the pod
     async def run(self) -> None:
@@ -97,7 +101,11 @@ class PodWorker:
             if self.sandbox is not None:
                 await asyncio.to_thread(self.network.destroy, self.sandbox)
             with contextlib.suppress(Exception):
-                await self.api.delete("v1", "pods", self.namespace, self.name, grace_seconds=0)
+                # By uid, as the kubelet does: a terminal pod is gone at once when deleted, and
+                # a new pod of the same name may exist by now.
+                await self.api.delete(
+                    "v1", "pods", self.namespace, self.name, grace_seconds=0, uid=self.uid
+                )
 
     async def _live(self) -> None:
         hostname = (self.pod.get("spec") or {}).get("hostname") or self.name
@@ -111,6 +119,12 @@ class PodWorker:
             exited = await self._run_once()
             if not exited:
                 return
+            if "waiting" in self.container.state:
+                # Not created (a config error, a missing image): retried with back-off whatever
+                # the restart policy, as the kubelet does; the pod stays Pending meanwhile.
+                await self._back_off(backoff or self.backoff_base)
+                backoff = min(max(backoff * 2, self.backoff_base), MAX_BACKOFF_S)
+                continue
             policy = (self.pod.get("spec") or {}).get("restartPolicy", "Always")
             code = self.container.last_state.get("terminated", {}).get("exitCode", 1)
             if policy == "Never" or (policy == "OnFailure" and code == 0):
@@ -129,21 +143,20 @@ class PodWorker:
     async def _run_once(self) -> bool:
         """Start the container and wait; True if it exited by itself (or failed to start)."""
         assert self.sandbox is not None
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            image = find_image(self.container.image, self.images)
-            plan = await plan_container(
-                self.pod, image, self.sandbox.ip, self.host_ip, self.dir, self._fetch, self._token
-            )
+            with open(self.log_path, "ab") as log:
+                request = ContainerRequest(
+                    self.pod, self.sandbox, self.host_ip, self.dir, self._fetch, self._token, log
+                )
+                self.running = await self.runtime.start(request)
         except ContainerConfigError as exc:
             self.container.state = {"waiting": {"reason": exc.reason, "message": str(exc)}}
             await self._report()
             return True
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         if self._runs:
             self.container.restart_count += 1  # counts restarts, not exits, as Kubernetes does
         self._runs += 1
-        with open(self.log_path, "ab") as log:
-            self.process = self.sandbox.spawn(plan.argv, plan.env, plan.mounts, plan.workdir, log)
         started_at = now()
         self._phase = "Running"
         self.container.state = {"running": {"startedAt": started_at}}
@@ -152,9 +165,14 @@ class PodWorker:
         await self._watch(started_at)
         if self.deleting.is_set():
             return False
-        assert self.process is not None
-        rc = self.process.returncode
-        self.container.last_state = {"terminated": terminated(rc, started_at)}
+        assert self.running is not None
+        rc = self.running.process.returncode
+        state = terminated(rc, started_at)
+        message = self.running.termination_message()
+        if message:
+            state["message"] = message
+        await self.running.remove()
+        self.container.last_state = {"terminated": state}
         self.container.ready = False
         logger.info("%s/%s: container exited with %s", self.namespace, self.name, rc)
         return True
@@ -241,20 +259,11 @@ class PodWorker:
             await asyncio.wait_for(self.deleting.wait(), delay)
 
     async def _stop_container(self) -> None:
-        """SIGTERM the main process, wait the grace period, then SIGKILL the whole group."""
-        process = self.process
-        if process is None:
+        """SIGTERM the main process, wait the grace period, then SIGKILL what is left."""
+        if self.running is None:
             return
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signal.SIGTERM)
-            try:
-                await asyncio.to_thread(process.wait, self.grace_seconds)
-            except subprocess.TimeoutExpired:
-                logger.info("%s/%s: grace period over; SIGKILL", self.namespace, self.name)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)  # the container's stragglers, like a cgroup
-        await asyncio.to_thread(process.wait)
+        await self.running.stop(self.grace_seconds)
+        await self.running.remove()
 
     async def _fetch(self, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
         return await self.api.get("v1", plural, namespace, name)

@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 import pytest
-from container_spec import ContainerConfigError, Image, parse_quantity, resolve_env
+from container_spec import ContainerConfigError, Image, image_env, parse_quantity, resolve_env
 
 pytestmark = pytest.mark.e2e
 IMAGE = Image("corefleet:*", {}, "/usr/bin:/bin")
@@ -29,7 +29,9 @@ def _env(resources: dict[str, Any], resource: str, divisor: str | None = None) -
     async def no_fetch(*_: str) -> None:
         return None
 
-    env = asyncio.run(resolve_env(pod, container, IMAGE, "10.0.0.2", "10.0.0.1", no_fetch))
+    env = asyncio.run(
+        resolve_env(pod, container, image_env(IMAGE, pod), "10.0.0.2", "10.0.0.1", no_fetch)
+    )
     return env["X"]
 
 
