@@ -127,12 +127,14 @@ status = pathlib.Path('/proc/self/status').read_text()
 caps = [ln.split()[1] for ln in status.splitlines() if ln.startswith(('CapBnd', 'NoNewPrivs'))]
 mounts = [ln.split()[2] for ln in open('/proc/self/mounts') if ln.split()[1] == '/dev/shm']
 print('probe', os.getuid(), root, limit, caps, mounts, os.environ['POD'], flush=True)
+print('volumes', open('/etc/probe/greeting').read(), os.environ['SECRET'],
+      open('/data/host.txt').read(), flush=True)
 open('/dev/termination-log', 'w').write('probe done')
 raise SystemExit(3)
 """
 
 
-def _pod(security: dict[str, Any]) -> dict[str, Any]:
+def _pod(security: dict[str, Any], host_data: pathlib.Path) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -147,14 +149,26 @@ def _pod(security: dict[str, Any]) -> dict[str, Any]:
                     "imagePullPolicy": "Never",
                     "command": ["python", "-c", PROBE],
                     "env": [
-                        {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+                        {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                        {
+                            "name": "SECRET",
+                            "valueFrom": {"secretKeyRef": {"name": "probe", "key": "token"}},
+                        },
                     ],
                     "securityContext": security,
                     "resources": {"limits": {"memory": "256Mi"}},
-                    "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+                    "volumeMounts": [
+                        {"name": "dshm", "mountPath": "/dev/shm"},
+                        {"name": "config", "mountPath": "/etc/probe", "readOnly": True},
+                        {"name": "data", "mountPath": "/data", "readOnly": True},
+                    ],
                 }
             ],
-            "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+            "volumes": [
+                {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+                {"name": "config", "configMap": {"name": "probe"}},
+                {"name": "data", "hostPath": {"path": str(host_data), "type": "Directory"}},
+            ],
         },
     }
 
@@ -173,16 +187,25 @@ def test_the_pod_spec_is_honoured(cluster: LocalCluster) -> None:
         "allowPrivilegeEscalation": False,
         "capabilities": {"drop": ["ALL"]},
     }
-    cluster.api.request("POST", "/api/v1/namespaces/default/pods", _pod(security), expect=201)
+    host_data = cluster.folder / "host-data"
+    host_data.mkdir()
+    (host_data / "host.txt").write_text("from-the-node")
+    config = {"metadata": {"name": "probe"}, "data": {"greeting": "hello"}}
+    cluster.api.request("POST", "/api/v1/namespaces/default/configmaps", config, expect=201)
+    secret = {"metadata": {"name": "probe"}, "stringData": {"token": "s3cret"}}
+    cluster.api.request("POST", "/api/v1/namespaces/default/secrets", secret, expect=201)
+    pod = _pod(security, host_data)
+    cluster.api.request("POST", "/api/v1/namespaces/default/pods", pod, expect=201)
     state = wait_for(lambda: _terminated(cluster), 120, "the probe pod to finish")
     assert state["exitCode"] == 3 and state["message"] == "probe done", state
     assert cluster.kubelet is not None
     line = next(ln for ln in cluster.kubelet.log("default", "probe").splitlines() if "probe " in ln)
     assert line.startswith("probe 10001 Read-only file system 268435456 "), line
     assert "['0000000000000000', '1']" in line and "['tmpfs']" in line and line.endswith(" probe")
+    assert "volumes hello s3cret from-the-node" in cluster.kubelet.log("default", "probe")
     cluster.kubectl("delete", "pod", "probe", "--wait=true", timeout=60)
 
-    as_root = _pod({"runAsUser": 0})
+    as_root = _pod({"runAsUser": 0}, host_data)
     cluster.api.request("POST", "/api/v1/namespaces/default/pods", as_root, expect=201)
 
     def refused() -> str | None:
@@ -209,3 +232,31 @@ def test_delete_removes_every_container(cluster: LocalCluster) -> None:
     wait_for(lambda: not cluster.kubelet.namespaces(), 30, "every namespace to go")  # type: ignore[union-attr]
     wait_for(lambda: str(cluster.folder) not in pathlib.Path("/proc/self/mounts").read_text(),
              30, "every root filesystem to be unmounted")  # fmt: skip
+
+
+def test_sigterm_then_sigkill_after_the_grace_period(cluster: LocalCluster) -> None:
+    stubborn = "import signal, time\n" + (
+        "signal.signal(signal.SIGTERM, lambda *_: print('got TERM', flush=True))\n"
+        "print('up', flush=True)\n"
+        "while True: time.sleep(1)\n"
+    )
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "stubborn", "namespace": "default"},
+        "spec": {
+            "terminationGracePeriodSeconds": 3,
+            "containers": [
+                {"name": "main", "image": ENGINE_IMAGE, "command": ["python", "-c", stubborn]}
+            ],
+        },
+    }
+    cluster.api.request("POST", "/api/v1/namespaces/default/pods", pod, expect=201)
+    assert cluster.kubelet is not None
+    wait_for(lambda: "up" in cluster.kubelet.log("default", "stubborn"), 120, "the pod to start")  # type: ignore[union-attr]
+    worker = cluster.kubelet.worker("default", "stubborn")
+    assert worker is not None and worker.pid is not None
+    pid = worker.pid
+    cluster.kubectl("delete", "pod", "stubborn", "--wait=true", timeout=60)
+    assert "got TERM" in cluster.kubelet.log("default", "stubborn")
+    assert not pathlib.Path(f"/proc/{pid}").exists(), "the container outlived its grace period"
