@@ -66,8 +66,11 @@ images:
 # most e2e and integration tests wait on the processes they started, and one worker left a
 # core of the 2-core CI idle half the time. --durations: the slowest tests, in CI's log.
 TEST_WORKERS ?= 2
-# COREFLEET_REQUIRE_IMAGES: likewise for a test that runs the images.
-test: kernels lint typecheck cluster-bin images
+# COREFLEET_REQUIRE_IMAGES: likewise for a test that runs the images. The two slow builds run
+# side by side on a cold machine: the Go build is CPU-bound, the image build waits on downloads
+# and the disk for much of its time.
+test: kernels lint typecheck
+	@$(MAKE) --no-print-directory -j2 cluster-bin images
 	COREFLEET_CONTROLPLANE_BIN="$$(tools/controlplane/build.sh)" COREFLEET_REQUIRE_CONTROLPLANE=1 \
 		COREFLEET_REQUIRE_IMAGES=1 \
 		$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests

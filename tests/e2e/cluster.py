@@ -6,8 +6,9 @@
 
 - the control plane: real etcd, kube-apiserver, kube-controller-manager and kube-scheduler on
   127.0.0.1 (`tests/controlplane/control_plane.py`), fresh for each cluster;
-- the node: `Kubelet`, a registered Node whose pods (bound by the real scheduler) run as
-  processes in network namespaces, with Service DNS as /etc/hosts files;
+- the node: `Kubelet`, a registered Node whose pods (bound by the real scheduler) run in
+  network namespaces, with Service DNS as /etc/hosts files: as processes of this machine's
+  installation, or with `containers=True` from their images under runc (`runc_runtime.py`);
 - the operator: installed with the real `helm install` of `charts/corefleet` (its CRD,
   ServiceAccount and ClusterRole; no replica), then run as the real `corefleet-operator`
   process out of cluster, authenticated as the chart's ServiceAccount with a token from the
@@ -16,8 +17,8 @@
   coordinator by its Service name as it would in a pod (`with_node_dns`, which runs any
   process, a test's client load say, with that view).
 
-The image: `ghcr.io/corefleet/corefleet:<tag>` and `corefleet:<tag>` mean this machine's
-installation (the venv's `corefleet`) plus the file the Dockerfile adds, the embedded SmolLM2
+In the process mode, the image `ghcr.io/corefleet/corefleet:<tag>` and `corefleet:<tag>` mean
+this machine's installation (the venv's `corefleet`) plus the file the Dockerfile adds, the embedded SmolLM2
 GGUF at /opt/corefleet/models/ (tests/deploy/test_dockerfile.py checks the example uses that
 path). Exiting stops the operator, every container and namespace, and the API server, also when
 the body raised.

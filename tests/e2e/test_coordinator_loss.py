@@ -1,4 +1,5 @@
 """Two coordinators on the local cluster, and one of them killed (SIGKILL) while clients stream.
+Every pod runs from the engine image (the kubelet's container mode).
 
 The CPU example with `coordinator.replicas: 2` and one rank: the rank finds both coordinators
 through the headless Service `smollm2-coordinators` and joins each. Clients stream through both
@@ -39,7 +40,7 @@ DISCOVERY = f"{NAME}-coordinators.default.svc.cluster.local"
 
 @pytest.fixture
 def cluster(tmp_path: pathlib.Path) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path / "cluster") as local:
+    with LocalCluster(tmp_path / "cluster", containers=True) as local:
         yield local
         assert local.kubelet is not None
         assert not local.kubelet.errors, local.kubelet.errors

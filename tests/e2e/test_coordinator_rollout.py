@@ -1,4 +1,5 @@
 """A rolling update of two coordinators while clients stream through the API Service: no failure.
+Every pod runs from the engine image (the kubelet's container mode).
 
 The CPU example with `coordinator.replicas: 2` and one rank. Clients (`dns_load.py`, the
 official client without retries) stream through `smollm2-coordinator.default.svc.cluster.local`
@@ -45,7 +46,7 @@ API_URL = f"http://{NAME}-coordinator.default.svc.cluster.local:8000/v1"
 
 @pytest.fixture
 def cluster(tmp_path: pathlib.Path) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path / "cluster") as local:
+    with LocalCluster(tmp_path / "cluster", containers=True) as local:
         yield local
         assert local.kubelet is not None
         assert not local.kubelet.errors, local.kubelet.errors

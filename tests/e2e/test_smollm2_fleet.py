@@ -2,7 +2,8 @@
 scale-down under load, scale-up, rank loss, a rolling update, Abort mode and deletion.
 
 One cluster for the module and one InferenceEngine through all the steps, in order (each step
-starts from where the previous one left the fleet, as an operator's day would): ranks load the
+starts from where the previous one left the fleet, as an operator's day would): every pod runs
+from the engine image under runc (the kubelet's container mode, `make images`), ranks load the
 real SmolLM2 in their own network namespaces and find the coordinator by its Service name.
 """
 
@@ -37,7 +38,7 @@ READY_TIMEOUT = 240.0  # two ranks loading SmolLM2 on a busy 2-core machine
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    with LocalCluster(tmp_path_factory.mktemp("cluster")) as local:
+    with LocalCluster(tmp_path_factory.mktemp("cluster"), containers=True) as local:
         yield local
         assert local.kubelet is not None
         assert not local.kubelet.errors, local.kubelet.errors
