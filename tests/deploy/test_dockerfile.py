@@ -1,4 +1,4 @@
-"""Static checks of the Dockerfile and .dockerignore, next to the real build.
+"""Static checks of the Dockerfile, next to the real build.
 
 `make images` builds both images and tests/e2e/test_images.py and test_container_mode.py run
 them; what a build cannot show is checked here: hadolint (the real binary from the test extra)
@@ -11,84 +11,27 @@ every stage before its target), and the embedded model is only ever installed wi
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 import re
 import shlex
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from corefleet.engine.models.default_model import DEFAULT_GGUF_NAME
+from tests.deploy.dockerfile_parse import (
+    Stage,
+    commands,
+    parse,
+    parse_instructions,
+    pip_installs,
+)
 from tests.deploy.tools import REPO, run, tool
 
 DOCKERFILE = REPO / "Dockerfile"
-DOCKERIGNORE = REPO / ".dockerignore"
 
 IGNORE_PRAGMA = re.compile(r"^\s*#\s*hadolint\s+ignore=([A-Z0-9, ]+)\s*$")
-
-
-@dataclass
-class Instruction:
-    line: int  # 1-based line of the keyword
-    keyword: str  # upper case
-    args: str  # continuation lines joined, comment lines inside them dropped
-
-
-@dataclass
-class Stage:
-    base: str
-    name: str | None
-    instructions: list[Instruction] = field(default_factory=list)
-
-    def of(self, keyword: str) -> list[Instruction]:
-        return [i for i in self.instructions if i.keyword == keyword]
-
-
-def parse_instructions(text: str) -> list[Instruction]:
-    """Instructions in order, with `\\` continuations joined as Docker joins them."""
-    out: list[Instruction] = []
-    pending: list[str] = []
-    start = 0
-    for number, raw in enumerate(text.splitlines(), start=1):
-        stripped = raw.strip()
-        if stripped.startswith("#") or not stripped:
-            # Comment lines (directives included) and blank lines; inside a continuation Docker
-            # drops them too.
-            continue
-        if not pending:
-            start = number
-        if stripped.endswith("\\"):
-            pending.append(stripped[:-1].strip())
-            continue
-        pending.append(stripped)
-        joined = " ".join(pending)
-        pending = []
-        keyword, _, args = joined.partition(" ")
-        out.append(Instruction(start, keyword.upper(), args.strip()))
-    assert not pending, "the Dockerfile ends inside a line continuation"
-    return out
-
-
-def parse(text: str) -> tuple[dict[str, str | None], list[Stage]]:
-    """Global ARGs (before the first FROM) with their defaults, and the stages."""
-    global_args: dict[str, str | None] = {}
-    stages: list[Stage] = []
-    for inst in parse_instructions(text):
-        if inst.keyword == "FROM":
-            words = [w for w in inst.args.split() if not w.startswith("--")]
-            name = words[2] if len(words) == 3 and words[1].upper() == "AS" else None
-            assert len(words) in (1, 3), f"line {inst.line}: cannot read FROM {inst.args!r}"
-            stages.append(Stage(base=words[0], name=name))
-        elif not stages:
-            assert inst.keyword == "ARG", f"line {inst.line}: only ARG may precede the first FROM"
-            arg_name, eq, default = inst.args.partition("=")
-            global_args[arg_name.strip()] = default.strip().strip("\"'") if eq else None
-        else:
-            stages[-1].instructions.append(inst)
-    return global_args, stages
 
 
 @pytest.fixture(scope="module")
@@ -106,43 +49,6 @@ def stages(parsed: tuple[dict[str, str | None], list[Stage]]) -> dict[str, Stage
     named = {s.name: s for s in parsed[1] if s.name is not None}
     assert len(named) == len([s for s in parsed[1] if s.name]), "duplicate stage names"
     return named
-
-
-def commands(stage: Stage) -> list[str]:
-    """Each shell command of the stage's RUN lines (split on && ; and ||)."""
-    out: list[str] = []
-    for inst in stage.of("RUN"):
-        body = re.sub(r"--mount=\S+", "", inst.args)
-        out += [c.strip() for c in re.split(r"&&|\|\||;", body) if c.strip()]
-    return out
-
-
-def pip_installs(stage: Stage) -> list[str]:
-    return [c for c in commands(stage) if re.search(r"\bpip3?\s+install\b", c)]
-
-
-def dockerignore_patterns() -> list[str]:
-    lines = [ln.strip() for ln in DOCKERIGNORE.read_text().splitlines()]
-    return [ln for ln in lines if ln and not ln.startswith("#")]
-
-
-def ignored_by_dockerignore(path: str, patterns: list[str]) -> bool:
-    """Close enough to Docker's matcher for this file: the last matching pattern wins, a pattern
-    that matches a folder excludes everything below it, and `**/x` matches x at any depth."""
-    parts = Path(path).parts
-    prefixes = ["/".join(parts[: n + 1]) for n in range(len(parts))]
-    excluded = False
-    for pattern in patterns:
-        negate = pattern.startswith("!")
-        glob = pattern.lstrip("!").strip("/")
-        if glob.startswith("**/"):
-            tail = glob.removeprefix("**/")
-            hit = any(fnmatch.fnmatchcase(part, tail) for part in parts)
-        else:
-            hit = any(fnmatch.fnmatchcase(prefix, glob) for prefix in prefixes)
-        if hit:
-            excluded = not negate
-    return excluded
 
 
 # --- hadolint -------------------------------------------------------------------------------
@@ -373,37 +279,3 @@ def test_operator_entrypoint_and_read_only_root(stages: dict[str, Stage]):
     assert json.loads(operator.of("ENTRYPOINT")[-1].args) == ["corefleet-operator"]
     env = " ".join(i.args for i in operator.of("ENV"))
     assert "PYTHONDONTWRITEBYTECODE=1" in env and "HOME=/tmp" in env
-
-
-# --- build context --------------------------------------------------------------------------
-
-
-def test_dockerignore_excludes_local_state():
-    patterns = dockerignore_patterns()
-    local = (".venv", ".git", ".venv/bin/python", ".mypy_cache", "engine/__pycache__", "build")
-    # An in-place build of the C++ CPU ops (editable install): the builder compiles its own.
-    for path in (*local, "kernels/cpu/_ops_avx2_0123456789.so"):
-        assert ignored_by_dockerignore(path, patterns), f"{path} would be sent to the builder"
-
-
-def test_context_files_the_dockerfile_reads_exist_and_are_not_ignored(
-    parsed: tuple[dict[str, str | None], list[Stage]],
-):
-    _, all_stages = parsed
-    sources: list[str] = []
-    for stage in all_stages:
-        for inst in stage.of("COPY") + stage.of("ADD"):
-            words = [w for w in inst.args.split() if not w.startswith("--")]
-            if "--from=" not in inst.args:
-                sources += words[:-1]
-        for inst in stage.of("RUN"):
-            for mount in re.findall(r"--mount=(\S+)", inst.args):
-                opts = dict(kv.partition("=")[::2] for kv in mount.split(","))
-                if opts.get("type") == "bind" and "from" not in opts:
-                    sources.append(opts["source"])
-    assert sources
-    patterns = dockerignore_patterns()
-    for source in sources:
-        path = source.rstrip("/")
-        assert (REPO / path).exists(), f"{source} is not in the repository"
-        assert not ignored_by_dockerignore(path, patterns), f".dockerignore drops {source}"
