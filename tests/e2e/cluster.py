@@ -20,8 +20,8 @@
 In the process mode, the image `ghcr.io/corefleet/corefleet:<tag>` and `corefleet:<tag>` mean
 this machine's installation (the venv's `corefleet`) plus the file the Dockerfile adds, the
 embedded SmolLM2 GGUF at /opt/corefleet/models/ (tests/deploy/test_dockerfile.py checks the
-example uses that path). Exiting stops the operator, every container and namespace, and the API server, also when
-the body raised.
+example uses that path). Exiting stops the operator, every container and namespace, and the
+API server, also when the body raised.
 """
 
 from __future__ import annotations
