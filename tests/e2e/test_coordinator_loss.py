@@ -23,6 +23,7 @@ import pytest
 from cluster import LocalCluster, wait_for
 from coordinator_support import apply_two_coordinators, pod_url, rank_joined, wait_two_coordinators
 from fleet_support import Sampler, StreamingLoad
+from images_support import require_images
 from netns import can_create_namespaces
 
 _why_not = can_create_namespaces()
@@ -40,6 +41,7 @@ DISCOVERY = f"{NAME}-coordinators.default.svc.cluster.local"
 
 @pytest.fixture
 def cluster(tmp_path: pathlib.Path) -> Iterator[LocalCluster]:
+    require_images()  # the pods run from them
     with LocalCluster(tmp_path / "cluster", containers=True) as local:
         yield local
         assert local.kubelet is not None

@@ -28,6 +28,7 @@ from cluster import LocalCluster, wait_for
 from coordinator_support import ProcessWatch, apply_two_coordinators, wait_two_coordinators
 from dns_load import DnsLoad
 from fleet_support import Outcome
+from images_support import require_images
 from netns import can_create_namespaces
 
 from corefleet.operator.naming import COORDINATOR_SHUTDOWN_DELAY_SECONDS
@@ -46,6 +47,7 @@ API_URL = f"http://{NAME}-coordinator.default.svc.cluster.local:8000/v1"
 
 @pytest.fixture
 def cluster(tmp_path: pathlib.Path) -> Iterator[LocalCluster]:
+    require_images()  # the pods run from them
     with LocalCluster(tmp_path / "cluster", containers=True) as local:
         yield local
         assert local.kubelet is not None

@@ -22,6 +22,7 @@ import openai
 import pytest
 from cluster import REPO, LocalCluster, wait_for
 from fleet_support import StatusRecorder, StreamingLoad, admin_engines, counter
+from images_support import require_images
 from netns import can_create_namespaces
 
 _why_not = can_create_namespaces()
@@ -38,6 +39,7 @@ READY_TIMEOUT = 240.0  # two ranks loading SmolLM2 on a busy 2-core machine
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    require_images()  # the pods run from them
     with LocalCluster(tmp_path_factory.mktemp("cluster"), containers=True) as local:
         yield local
         assert local.kubelet is not None
