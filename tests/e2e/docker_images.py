@@ -68,14 +68,15 @@ def inspect_image(reference: str, pull_policy: str = "IfNotPresent") -> ImageCon
     data = driver.get("Data") or {}
     layers = [data["UpperDir"], *[d for d in (data.get("LowerDir") or "").split(":") if d]]
     config = found.get("Config") or {}
-    env = tuple(tuple(item.split("=", 1)) for item in config.get("Env") or () if "=" in item)
+    pairs = [item.partition("=") for item in config.get("Env") or () if "=" in item]
+    env = tuple((name, value) for name, _, value in pairs)
     return ImageConfig(
         reference=reference,
         image_id=found["Id"],
         layers=tuple(layers),
         entrypoint=tuple(config.get("Entrypoint") or ()),
         cmd=tuple(config.get("Cmd") or ()),
-        env=env,  # type: ignore[arg-type]
+        env=env,
         user=config.get("User") or "",
         workdir=config.get("WorkingDir") or "/",
     )

@@ -22,6 +22,8 @@ import pathlib
 import re
 import shutil
 import subprocess
+from collections.abc import Mapping
+from typing import Any
 
 from container_runtime import ContainerRequest
 from container_spec import ContainerConfigError, resolve_env, volume_sources
@@ -57,7 +59,7 @@ def _pid_alive(pid: int) -> bool:
 def remove_leftovers() -> None:
     """Kill and delete the containers, and unmount the root filesystems, of dead harnesses."""
     for root in STATE_ROOT.glob("*") if STATE_ROOT.exists() else ():
-        if root.name.isalnum() and not _pid_alive(int(root.name, 16)):
+        if re.fullmatch(r"[0-9a-f]+", root.name) and not _pid_alive(int(root.name, 16)):
             listed = _runc(root, "list", "--quiet").stdout.split()
             for container_id in listed:
                 _runc(root, "kill", "--all", container_id, "KILL")
@@ -175,9 +177,9 @@ class RuncRuntime:
             )
 
     async def _config(
-        self, request: ContainerRequest, container: dict, image: ImageConfig,
+        self, request: ContainerRequest, container: Mapping[str, Any], image: ImageConfig,
         rootfs: pathlib.Path, n: int,
-    ) -> tuple[dict, pathlib.Path]:  # fmt: skip
+    ) -> tuple[dict[str, Any], pathlib.Path]:  # fmt: skip
         pod, box = request.pod, request.sandbox
         hostname = (pod.get("spec") or {}).get("hostname") or pod["metadata"]["name"]
         base = {**dict(image.env), "HOSTNAME": hostname}
