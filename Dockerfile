@@ -32,12 +32,15 @@
 # the node (the NVIDIA container toolkit, told by the two NVIDIA_* variables of the engine
 # stage). One engine image serves CPU and GPU nodes.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
-# torch: the pyproject pin (`torch==2.13.0`). PyPI's wheel (CUDA 12) by default; another index
+# torch: the pyproject pin (`torch==2.13.0`). PyPI's wheel (CUDA 13) by default; another index
 # (https://download.pytorch.org/whl/cu128, say) picks another CUDA build of the same version.
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://pypi.org/simple
-# Only for the flash-attn stages at the end (nvcc and the CUDA headers); never shipped.
-ARG CUDA_DEVEL_IMAGE=nvidia/cuda:12.8.1-devel-ubuntu22.04
+# Only for the flash-attn stages at the end (nvcc and the CUDA headers); never shipped. Its CUDA
+# major version must be torch's (13 for PyPI's 2.13.0; torch's extension build refuses another);
+# Ubuntu 22.04's glibc is older than Debian bookworm's, so its nvcc runs on the torch layer.
+# Not built here: no registry serves nvidia/cuda to these machines.
+ARG CUDA_DEVEL_IMAGE=nvidia/cuda:13.0.0-devel-ubuntu22.04
 ARG FLASH_ATTN_VERSION=2.8.3.post2
 # GPU architectures compiled when building flash-attn from source (A100/H100: 80;90).
 ARG FLASH_ATTN_CUDA_ARCHS=80;90
@@ -57,7 +60,7 @@ ENV PATH=/opt/venv/bin:${PATH} \
 
 
 # ---------------------------------------------------------------------------------------------
-# torch: its own layer (~4.5 GB with the CUDA libraries), under the builder and the engine, so a
+# torch: its own layer (4.9 GB with the CUDA libraries), under the builder and the engine, so a
 # change to corefleet's code never rebuilds or re-ships it.
 FROM python AS torch
 ARG TORCH_VERSION
