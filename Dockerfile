@@ -86,10 +86,13 @@ WORKDIR /src
 # The C++ ops first, on their own: compiling every variant takes minutes, and this layer (the
 # objects under build/) is reused while kernels/cpu/csrc is unchanged, so a change elsewhere
 # only relinks when the wheel is built below (ninja finds the objects up to date).
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml setup.py ./
 COPY kernels/cpu/variants.py kernels/cpu/variants.py
 COPY kernels/cpu/csrc/ kernels/cpu/csrc/
-RUN python setup.py -q build_ext
+# pyproject.toml names README.md as the long description, which setup() reads even to build
+# the extensions: an empty one here, the real one below, so editing it recompiles nothing.
+RUN touch README.md && python setup.py -q build_ext
+COPY README.md ./
 COPY engine/ engine/
 COPY kernels/ kernels/
 COPY operator/ operator/
