@@ -14,9 +14,10 @@
 # `make images` builds the base image from Debian's packages (tools/images/base.sh) and passes
 # it as BASE_IMAGE.
 #
-# Any builder works: `docker buildx build`, the classic `docker build` (no BuildKit feature is
-# used) and `buildah bud`. The classic builder builds every stage before the target, so the
-# flash-attn stages, which need the CUDA devel image, come after `engine`.
+# The classic `docker build` builds it here (Debian's docker.io has no buildx); it uses no
+# BuildKit feature, so `docker buildx build` and `buildah bud` read it as well (not tried here).
+# The classic builder builds every stage before the target, so the flash-attn stages, which
+# need the CUDA devel image, come after `engine`.
 #
 # Base images are pinned by tag through the ARGs below. For reproducible release builds pin
 # them by digest as well, for example:
