@@ -70,7 +70,8 @@ def can_create_namespaces() -> str | None:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this pid exists (the harness that left a namespace or state)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -86,7 +87,7 @@ def remove_leftovers() -> list[str]:
     removed = []
     for name in _ip("netns", "list", check=False).split():
         match = _OURS.match(name)
-        if match and not _pid_alive(int(match.group(1), 16)):
+        if match and not pid_alive(int(match.group(1), 16)):
             for pid in _ip("netns", "pids", name, check=False).split():
                 with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), signal.SIGKILL)  # a dead harness's containers
@@ -96,7 +97,7 @@ def remove_leftovers() -> list[str]:
     for line in _ip("-o", "link", "show", check=False).splitlines():
         link = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
         match = _OURS.match(link)
-        if match and not _pid_alive(int(match.group(1), 16)):
+        if match and not pid_alive(int(match.group(1), 16)):
             _ip("link", "del", link, check=False)
             removed.append(link)
     _remove_dead_forward_rules()
@@ -125,7 +126,7 @@ def _remove_dead_forward_rules() -> None:
     ).stdout
     for line in listed.splitlines():
         match = re.search(r'--comment "?cf-([0-9a-f]+)"?', line)
-        if line.startswith("-A ") and match and not _pid_alive(int(match.group(1), 16)):
+        if line.startswith("-A ") and match and not pid_alive(int(match.group(1), 16)):
             _iptables("-D", *shlex.split(line)[1:])
 
 

@@ -28,6 +28,7 @@ from typing import Any
 from container_runtime import ContainerRequest
 from container_spec import ContainerConfigError, resolve_env, volume_sources
 from docker_images import ImageConfig, inspect_image
+from netns import pid_alive
 from oci_spec import argv, mounts, oci_config, run_as
 
 logger = logging.getLogger("kubelet")
@@ -46,20 +47,10 @@ def _runc(root: pathlib.Path, *args: str, check: bool = False) -> subprocess.Com
     return done
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_leftovers() -> None:
     """Kill and delete the containers, and unmount the root filesystems, of dead harnesses."""
     for root in STATE_ROOT.glob("*") if STATE_ROOT.exists() else ():
-        if re.fullmatch(r"[0-9a-f]+", root.name) and not _pid_alive(int(root.name, 16)):
+        if re.fullmatch(r"[0-9a-f]+", root.name) and not pid_alive(int(root.name, 16)):
             listed = _runc(root, "list", "--quiet").stdout.split()
             for container_id in listed:
                 _runc(root, "kill", "--all", container_id, "KILL")
@@ -68,7 +59,7 @@ def remove_leftovers() -> None:
     for line in pathlib.Path("/proc/self/mounts").read_text().splitlines():
         target = line.split()[1]
         match = _TAGGED.search(target)
-        if match and not _pid_alive(int(match.group(1), 16)):
+        if match and not pid_alive(int(match.group(1), 16)):
             subprocess.run(["umount", "-l", target], capture_output=True, timeout=60)
 
 
