@@ -27,6 +27,7 @@ from corefleet.engine.config_fields import (
     require,
     require_choice,
 )
+from corefleet.engine.pooler_config import Runner, parse_pooler_config
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "gguf", "none"]
@@ -78,10 +79,27 @@ class ModelConfig:
     seed: int = field(
         default=0, metadata=engine_arg("seed of random sampling for requests without a seed")
     )
+    runner: Runner = field(
+        default="auto",
+        metadata=engine_arg(
+            "generate: token generation; pooling: embeddings (/v1/embeddings, /pooling) from "
+            "the final hidden states; auto: generate"
+        ),
+    )
+    pooler_config: str | None = field(
+        default=None,
+        metadata=engine_arg(
+            'with --runner pooling, a JSON object: {"pooling_type": "LAST" (default), "MEAN" '
+            'or "CLS", "use_activation": true (L2-normalise, default) or false, "dimensions": '
+            "N (Matryoshka models)}"
+        ),
+    )
 
     def __post_init__(self) -> None:
         require_choice("dtype", self.dtype, Dtype)
         require_choice("quantization", self.quantization, Quantization)
+        require_choice("runner", self.runner, Runner)
+        parse_pooler_config(self.pooler_config)  # ValueError naming the bad key
         if self.max_model_len is not None:
             require(
                 self.max_model_len >= 2, "max_model_len", self.max_model_len, "must be at least 2"

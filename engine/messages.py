@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, Literal, NoReturn
 
 import msgspec
 
@@ -197,6 +197,23 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _fail("min_tokens", self.min_tokens, "must be 0 with structured_outputs")
 
 
+PoolingType = Literal["LAST", "MEAN", "CLS"]
+
+
+class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """What a pooling request (``--runner pooling``: embeddings) returns in place of tokens:
+    its prompt's final hidden states pooled into one vector (vLLM's ``PoolingParams``, task
+    ``embed``). The engine fills unset fields from ``--pooler-config``.
+
+    ``dimensions`` keeps the first N values (Matryoshka models only), before the L2
+    normalisation that ``use_activation`` asks for.
+    """
+
+    dimensions: int | None = None
+    use_activation: bool | None = None
+    pooling_type: PoolingType | None = None  # None: the server's (--pooler-config)
+
+
 def _fail(field: str, value: object, rule: str) -> NoReturn:
     raise ValueError(f"invalid sampling parameter {field}={value!r}: {rule}")
 
@@ -240,6 +257,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # The data-parallel wave the sender believed current (vLLM's ADD ``request_wave``); only
     # the ranks of an MoE group read it (``engine_core/waves.py``).
     current_wave: int = 0
+    # A pooling request (``--runner pooling``): it computes its prompt and finishes with the
+    # pooled vector; ``sampling_params`` is then unused (max_tokens 1, nothing is sampled).
+    pooling_params: PoolingParams | None = None
 
 
 class StartDPWave(msgspec.Struct, array_like=True, gc=False):
@@ -271,6 +291,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id, or a message for ERROR
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # A pooling request's result, on its finishing output: the vector as float32 bytes
+    # (little-endian, what numpy's "<f4" reads).
+    pooling_output: bytes | None = None
 
     @property
     def finished(self) -> bool:
@@ -315,6 +338,16 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     dummy_steps: int = 0
 
 
+class PoolerInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A pooling rank's defaults and sizes, for the coordinator to check requests against."""
+
+    pooling_type: str
+    use_activation: bool
+    hidden_size: int  # the length of a vector before any ``dimensions`` truncation
+    is_matryoshka: bool = False  # whether ``dimensions`` may shorten a vector
+    matryoshka_dimensions: list[int] | None = None  # the sizes allowed (None: any up to it)
+
+
 class ReadyResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """The engine's first message on its input socket: what it can serve.
 
@@ -332,6 +365,8 @@ class ReadyResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     max_num_seqs: int = 0  # the most requests in one batch (0: an older rank did not say)
     # Ranks 0 .. dp_size - 1 form one MoE group that steps in waves; 1: an independent rank.
     dp_size: int = 1
+    # ``--runner pooling``: what the rank's vectors are (None: a generating rank).
+    pooler: PoolerInfo | None = None
 
 
 class Hello(msgspec.Struct, tag="hello", omit_defaults=True, gc=False):

@@ -8,7 +8,12 @@ import time
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from corefleet.engine.messages import EngineCoreRequest, FinishReason, SamplingParams
+from corefleet.engine.messages import (
+    EngineCoreRequest,
+    FinishReason,
+    PoolingParams,
+    SamplingParams,
+)
 
 
 class RequestStatus(enum.IntEnum):
@@ -66,9 +71,12 @@ class Request:
         cache_salt: str | None = None,
         block_hasher: BlockHasher | None = None,
         request_wave: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
+        # A pooling request: finished by its pooled vector once its prompt is computed.
+        self.pooling_params = pooling_params
         self.eos_token_id = None if sampling_params.ignore_eos else eos_token_id
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.arrival_time = time.time() if arrival_time is None else arrival_time
@@ -85,6 +93,11 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache (-1: not looked up)
+        # Cached positions produce no hidden states: MEAN and CLS pooling need every
+        # position's (or the first), so they compute the whole prompt.
+        self.skip_reading_prefix_cache = (
+            pooling_params is not None and pooling_params.pooling_type != "LAST"
+        )
         self.num_preemptions = 0
         self.max_tokens = sampling_params.max_tokens
         # Token count (prompt + output) at which max_tokens stops the request (none: never).
@@ -130,6 +143,7 @@ class Request:
             cache_salt=req.cache_salt,
             block_hasher=block_hasher,
             request_wave=req.current_wave,
+            pooling_params=req.pooling_params,
         )
 
     @property

@@ -74,7 +74,7 @@ class KVCacheManager:
         walk stops there. The blocks are *not* touched: that happens in :meth:`allocate_slots`,
         once the allocation is certain to succeed.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         get_cached = self.block_pool.get_cached_block

@@ -21,6 +21,7 @@ from corefleet.engine.config import CacheConfig, SchedulerConfig
 from corefleet.engine.core.block_hash import make_block_hasher
 from corefleet.engine.core.grammar_steps import ConstrainedRequests
 from corefleet.engine.core.kv_cache import KVCacheBlock, KVCacheManager
+from corefleet.engine.core.pooling import finish_pooled
 from corefleet.engine.core.request_queue import create_request_queue, preemption_victim
 from corefleet.engine.core.scheduler_output import (
     CachedRequestData,
@@ -294,6 +295,7 @@ class Scheduler:
                     block_ids=kv.get_block_ids(request.request_id),
                     num_computed_tokens=computed,
                     num_output_tokens=request.num_output_tokens,
+                    pooling_params=request.pooling_params,
                 )
             )
             num_scheduled[request.request_id] = num_new
@@ -330,6 +332,8 @@ class Scheduler:
                 self.requests, scheduler_output, model_runner_output, outputs
             )
         self.grammars.hand_out_failures(outputs)
+        if model_runner_output.pooler_output:  # --runner pooling: vectors, no tokens
+            stopped += finish_pooled(self.requests, model_runner_output.pooler_output, outputs)
         if stopped:
             self._remove_stopped(stopped)
 

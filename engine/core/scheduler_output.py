@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from corefleet.engine.messages import Logprobs, SamplingParams
+from corefleet.engine.messages import Logprobs, PoolingParams, SamplingParams
 from corefleet.engine.request import Request
 
 
@@ -21,6 +21,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
     num_output_tokens: int = 0  # trailing entries of token_ids that are generated tokens
+    pooling_params: PoolingParams | None = None  # a pooling request (``--runner pooling``)
 
 
 @dataclass
@@ -77,6 +78,9 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # ``--runner pooling``: the vectors (float32 bytes) of the requests whose prompt this step
+    # completed; they sample nothing (``engine.worker.pooler``).
+    pooler_output: dict[str, bytes] = field(default_factory=dict)
 
 
 def attach_token_ids(output: SchedulerOutput, requests: Mapping[str, Request]) -> None:

@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from corefleet.engine.config import EngineConfig
+from corefleet.engine.core.pooling import pooler_info, prepare_pooling_request
 from corefleet.engine.core.scheduler import Scheduler
 from corefleet.engine.core.scheduler_output import (
     GrammarOutput,
@@ -31,6 +32,7 @@ from corefleet.engine.messages import (
 )
 from corefleet.engine.models.default_model import served_model_name
 from corefleet.engine.models.loader import load_arch_config, resolve_model_path
+from corefleet.engine.pooler_config import parse_pooler_config
 from corefleet.engine.request import Request, RequestStatus
 from corefleet.engine.structured_output.manager import StructuredOutputManager
 from corefleet.engine.worker.executor import Executor, ExecutorFactory, resolve_executor_class
@@ -72,6 +74,9 @@ class EngineCore:
         self.max_model_len: int = config.model.max_model_len
         self.vocab_size = arch.vocab_size
         self.eos_token_id = arch.eos_token_ids[0] if arch.eos_token_ids else None
+        # --runner pooling: what the vectors are (None: this engine generates).
+        self.pooler_info = pooler_info(config, arch, self.model_path)
+        self.pooler_dimensions = parse_pooler_config(config.model.pooler_config).dimensions
 
         self.executor: Executor = executor_class(config, self.model_path)
         clock.phase("model (kernels and weights)")
@@ -115,6 +120,7 @@ class EngineCore:
         if not isinstance(request.request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request.request_id).__name__}")
         validate_prompt(request.prompt_token_ids, self.max_model_len, self.vocab_size)
+        request = prepare_pooling_request(request, self.pooler_info, self.pooler_dimensions)
         params = request.sampling_params
         params.validate(self.vocab_size)
         prepared = Request.from_engine_core_request(request, self.eos_token_id, self.block_hasher)
@@ -235,6 +241,7 @@ class EngineCore:
             model_name=served_model_name(model.served_model_name, model.model, self.model_path),
             pid=os.getpid(),
             max_num_seqs=self.config.scheduler.max_num_seqs,
+            pooler=self.pooler_info,
         )
 
     def get_utility(self, name: str) -> Callable[..., Any]:

@@ -18,11 +18,13 @@ from corefleet.engine.models.pipeline_parallel import PipelineStage
 from corefleet.engine.models.rope import build_cos_sin_cache
 from corefleet.engine.models.tensor_parallel import ShardPlan, TensorParallel
 from corefleet.engine.models.weights import load_weights, quantized_weights
+from corefleet.engine.pooler_config import resolve_runner
 from corefleet.engine.worker.attention_inputs import AttentionInputs
 from corefleet.engine.worker.dp_group import expert_parallel_for
 from corefleet.engine.worker.input_batch import InputBatch, RequestState, StepInputs
 from corefleet.engine.worker.kv_budget import cpu_kv_cache_budget
 from corefleet.engine.worker.logit_masks import ban_stop_tokens_below_min_tokens, grammar_rows
+from corefleet.engine.worker.pooler import Pooler
 from corefleet.engine.worker.sampler import Sampler, SamplingMetadata
 from corefleet.kernels.backend_selection import select_kernel_backend
 from corefleet.kernels.cpu.loader import cpu_flags
@@ -77,6 +79,7 @@ class ModelRunner:
         # A forward pass waiting for its grammar mask (structured outputs): its inputs, hidden.
         self._pending_sample: tuple[StepInputs, torch.Tensor] | None = None
         self._preempted_generators: dict[str, torch.Generator] = {}
+        self.pooler = Pooler() if resolve_runner(config.model.runner) == "pooling" else None
         self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len, self.block_size)
         self.attention_inputs = AttentionInputs(
             self.batch, self.backend.needs_block_tables, self.block_size, self._to_device
@@ -212,6 +215,8 @@ class ModelRunner:
         hidden = self._forward(ids, positions, meta)  # [T, H]
         if hidden is None:  # an earlier pipeline stage: the last one samples
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        if self.pooler is not None:  # --runner pooling: vectors in place of tokens
+            return self.pooler.output(inputs, hidden)
         if so.structured_output_req_ids and so.grammar is None:
             self._pending_sample = (inputs, hidden)
             return None
@@ -260,6 +265,8 @@ class ModelRunner:
         return inputs, self.attention_inputs.metadata(inputs)
 
     def _update_states(self, so: SchedulerOutput) -> None:
+        if self.pooler is not None:
+            self.pooler.update(so)
         for req_id in so.preempted_req_ids:
             # A seeded request's random stream goes on where it stopped when it resumes (as
             # vLLM's): its tokens do not depend on whether it was preempted.
