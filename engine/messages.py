@@ -144,6 +144,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    # Logprobs of each prompt token and its top-N (vLLM's); the request then skips reading the
+    # prefix cache, since cached positions produce no logits.
+    prompt_logprobs: int | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` naming the first out-of-range parameter."""
@@ -175,6 +178,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _fail("min_tokens", self.min_tokens, "must be >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             _fail("logprobs", self.logprobs, "must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            _fail("prompt_logprobs", self.prompt_logprobs, "must be in [0, 20]")
         if self.stop and not all(isinstance(s, str) and s for s in self.stop):
             _fail("stop", self.stop, "must be non-empty strings")
         if self.seed is not None and not 0 <= self.seed < 2**63:
@@ -294,6 +299,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # A pooling request's result, on its finishing output: the vector as float32 bytes
     # (little-endian, what numpy's "<f4" reads).
     pooling_output: bytes | None = None
+    # With the first output of a request with ``prompt_logprobs``: row ``i`` is prompt token
+    # ``i + 1`` (the first prompt token has no logprob), column 0 that token, then the top-N.
+    new_prompt_logprobs: Logprobs | None = None
 
     @property
     def finished(self) -> bool:

@@ -93,9 +93,10 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache (-1: not looked up)
-        # Cached positions produce no hidden states: MEAN and CLS pooling need every
-        # position's (or the first), so they compute the whole prompt.
-        self.skip_reading_prefix_cache = (
+        # vLLM's: prompt logprobs need the logits of every prompt position, which a prefix-cache
+        # hit would skip; the request still writes its blocks to the cache for others.
+        self.skip_reading_prefix_cache = sampling_params.prompt_logprobs is not None or (
+            # Nor hidden states: MEAN and CLS pooling need every position's (or the first).
             pooling_params is not None and pooling_params.pooling_type != "LAST"
         )
         self.num_preemptions = 0

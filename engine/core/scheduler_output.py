@@ -78,6 +78,9 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # The whole prompt's logprobs of requests whose prompt this step completed (their first
+    # sampled token is in ``sampled_token_ids``); ``engine.worker.prompt_logprobs``.
+    prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
     # ``--runner pooling``: the vectors (float32 bytes) of the requests whose prompt this step
     # completed; they sample nothing (``engine.worker.pooler``).
     pooler_output: dict[str, bytes] = field(default_factory=dict)

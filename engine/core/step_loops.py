@@ -82,7 +82,9 @@ def collect_outputs(
     outputs: dict[int, list[EngineCoreOutput]] = {}
     stopped: list[Request] = []
     all_logprobs = model_runner_output.logprobs
-    plain_decode = not all_logprobs  # one sampled token with nothing else to report
+    prompt_logprobs = model_runner_output.prompt_logprobs
+    # One sampled token with nothing else to report.
+    plain_decode = not all_logprobs and not prompt_logprobs
     client_index, client_outputs = -1, []  # the last client's list: usually the only one
     for req_id, generated in zip(
         model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
@@ -105,6 +107,7 @@ def collect_outputs(
                 output = check_appended_token(request, generated, max_model_len)
         else:
             output = append_and_check(request, generated, all_logprobs, max_model_len)
+            output.new_prompt_logprobs = prompt_logprobs.get(req_id)
         if output.finish_reason is not None:
             stopped.append(request)
         if request.client_index != client_index:

@@ -100,6 +100,11 @@ class OutputProcessor:
         sample.parent.num_cached_tokens = max(
             sample.parent.num_cached_tokens, out.num_cached_tokens
         )
+        if params.prompt_logprobs is not None and sample.parent.prompt_logprobs is None:
+            # Every sample of a prompt scores the same prompt: the first to arrive serves.
+            scored = out.new_prompt_logprobs
+            rows = self._convert_logprobs(scored) if scored is not None else []
+            sample.parent.prompt_logprobs = [None, *rows]
         completion.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None:
             completion.logprobs = completion.logprobs or []

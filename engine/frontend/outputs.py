@@ -41,3 +41,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With ``prompt_logprobs``: one dict per prompt token (the prompt token and the top-N), the
+    # first None (nothing predicts the first token); set with the first output.
+    prompt_logprobs: list[dict[int, TokenLogprob] | None] | None = None

@@ -25,6 +25,7 @@ from corefleet.engine.worker.input_batch import InputBatch, RequestState, StepIn
 from corefleet.engine.worker.kv_budget import cpu_kv_cache_budget
 from corefleet.engine.worker.logit_masks import ban_stop_tokens_below_min_tokens, grammar_rows
 from corefleet.engine.worker.pooler import Pooler
+from corefleet.engine.worker.prompt_logprobs import PromptLogprobsTracker
 from corefleet.engine.worker.sampler import Sampler, SamplingMetadata
 from corefleet.kernels.backend_selection import select_kernel_backend
 from corefleet.kernels.cpu.loader import cpu_flags
@@ -79,6 +80,7 @@ class ModelRunner:
         # A forward pass waiting for its grammar mask (structured outputs): its inputs, hidden.
         self._pending_sample: tuple[StepInputs, torch.Tensor] | None = None
         self._preempted_generators: dict[str, torch.Generator] = {}
+        self.prompt_logprobs = PromptLogprobsTracker()
         self.pooler = Pooler() if resolve_runner(config.model.runner) == "pooling" else None
         self.batch = InputBatch(config.scheduler.max_num_seqs, self.max_model_len, self.block_size)
         self.attention_inputs = AttentionInputs(
@@ -275,6 +277,7 @@ class ModelRunner:
                 self._preempted_generators[req_id] = state.generator
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.batch.remove(req_id)
+            self.prompt_logprobs.drop(req_id)
         for req_id in so.finished_req_ids:
             self._preempted_generators.pop(req_id, None)
         for new in so.scheduled_new_reqs:
@@ -282,6 +285,7 @@ class ModelRunner:
             generator = self._preempted_generators.pop(new.req_id, None)
             if generator is None and params.seed is not None:
                 generator = torch.Generator(self.device).manual_seed(params.seed)
+            self.prompt_logprobs.start(new.req_id, params.prompt_logprobs, new.num_output_tokens)
             self.batch.add(
                 new.req_id,
                 new.token_ids,
@@ -337,9 +341,8 @@ class ModelRunner:
         for k, i in enumerate(sampling_idx.tolist()):
             sampled_by_req[i] = [sampled[k]]
         logprobs = {states[k].req_id: row for k, row in enumerate(out.logprobs) if row is not None}
-        return ModelRunnerOutput(
-            req_ids=inputs.req_ids, sampled_token_ids=sampled_by_req, logprobs=logprobs
-        )
+        prompt = self.prompt_logprobs.step(inputs, hidden, self.batch, self.model.compute_logits)
+        return ModelRunnerOutput(inputs.req_ids, sampled_by_req, logprobs, prompt)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
