@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal, NoReturn
 
 import msgspec
 
+from corefleet.engine.token_controls import validate_token_controls
+
 # Bumped whenever a message changes incompatibly; a HELLO with another version is refused.
 PROTOCOL_VERSION = 1
 
@@ -147,6 +149,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # Logprobs of each prompt token and its top-N (vLLM's); the request then skips reading the
     # prefix cache, since cached positions produce no logits.
     prompt_logprobs: int | None = None
+    # Token-level controls (vLLM's; rules in token_controls.py): bias added to a token's logit,
+    # the only tokens that may be sampled, words that may not be generated (tokenized by the
+    # frontend into bad_words_token_ids), and the tokens whose logprobs are reported.
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = msgspec.field(default_factory=list)
+    bad_words_token_ids: list[list[int]] | None = None
+    logprob_token_ids: list[int] | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` naming the first out-of-range parameter."""
@@ -190,6 +200,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 _fail("stop_token_ids", bad, f"must be token ids below {vocab_size}")
         if self.structured_outputs is not None:
             self._validate_structured()
+        if (
+            self.logit_bias
+            or self.allowed_token_ids is not None
+            or self.bad_words
+            or (self.bad_words_token_ids or self.logprob_token_ids is not None)
+        ):
+            validate_token_controls(self, vocab_size)
 
     def _validate_structured(self) -> None:
         assert self.structured_outputs is not None

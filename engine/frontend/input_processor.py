@@ -16,6 +16,7 @@ from corefleet.engine.messages import (
     validate_prompt,
     validate_prompt_length,
 )
+from corefleet.engine.token_controls import tokenize_bad_words, validate_token_controls
 
 # A prompt is text, or a mapping with "prompt_token_ids" (and optionally "prompt").
 PromptType: TypeAlias = str | Mapping[str, object]
@@ -89,6 +90,7 @@ class InputProcessor:
     ) -> list[EngineCoreRequest]:
         """One engine request per sample (``n`` of them), ids ``{i}_{request_id}`` when n > 1."""
         params.validate(self.vocab_size)
+        params = self._tokenize_bad_words(params)
         try:
             validate_prompt_length(len(prompt.prompt_token_ids), self.max_model_len)
         except ValueError as exc:
@@ -111,6 +113,18 @@ class InputProcessor:
                 )
             )
         return requests
+
+    def _tokenize_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its (validated, so bounded) ``bad_words`` tokenized for the engine,
+        which bans them by token; ValueError if a word's tokens fall outside the vocabulary."""
+        if not params.bad_words or params.bad_words_token_ids is not None:
+            return params
+        sequences = tokenize_bad_words(
+            params.bad_words, lambda word: self.tokenizer.encode(word, add_special_tokens=False)
+        )
+        params = msgspec.structs.replace(params, bad_words_token_ids=sequences)
+        validate_token_controls(params, self.vocab_size)
+        return params
 
     def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> SamplingParams:
         """``params`` with ``max_tokens=None`` resolved to the room the (validated, so not too

@@ -47,8 +47,6 @@ def _empty(value: Any) -> bool:
 # Both endpoints. vLLM's names first, then OpenAI's.
 _COMMON: dict[str, Refused] = {
     "prompt_logprobs": Refused("prompt logprobs"),
-    "bad_words": Refused("bad_words", _empty),
-    "allowed_token_ids": Refused("allowed_token_ids"),
     "logits_processors": Refused("logits processors", _empty),
     "use_beam_search": Refused("beam search", _one_of(False)),
     "truncate_prompt_tokens": Refused("prompt truncation"),

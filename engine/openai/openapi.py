@@ -31,6 +31,7 @@ from corefleet.engine.openai.limits import RequestLimits
 from corefleet.engine.openai.openapi_admin import REF_TEMPLATE, Schema, hand_written_schemas
 from corefleet.engine.openai.openapi_admin import component_ref as _ref
 from corefleet.engine.openai.openapi_structured import structured_output_rules
+from corefleet.engine.openai.token_request import token_control_schemas
 
 __all__ = ["openapi_document", "served_openapi"]
 
@@ -133,11 +134,9 @@ def _sampling_rules(
     for name in ("max_tokens", "max_completion_tokens", "min_tokens"):
         if max_model_len is not None and name in props:
             _int(props[name], maximum=max_model_len - 1)  # a prompt has at least one token
-    props["logit_bias"] = _only(
-        [None], "not supported: only {} or null", type="object", maxProperties=0
-    )
     props["stream_options"]["description"] = "only with stream: true"
     schema["allOf"] = [{"anyOf": [_absent_or_null("stream_options"), _is("stream", True)]}]
+    schema["allOf"] += token_control_schemas(props, vocab, chat="messages" in props)
     structured_output_rules(schema)
 
 

@@ -8,7 +8,7 @@ own, and refusing them breaks clients). Nested objects ignore theirs. Known fiel
 are strict: ``"temperature": "0.5"`` or ``"stream": 1`` fail, as at OpenAI, instead of being
 coerced (an int is fine for a float, and ``5.0`` for an int: JSON does not tell them apart);
 ``null`` means the default. Known parameters we cannot
-honour (``echo``, ``suffix``, ``logit_bias``, ``best_of`` != ``n``) get a 400:
+honour (``echo``, ``suffix``, ``best_of`` != ``n``) get a 400:
 ignoring them would silently change the answer. Ranges live in
 :meth:`SamplingParams.validate`; only OpenAI-specific bounds are declared here.
 """
@@ -53,6 +53,13 @@ from corefleet.engine.openai.response_models import (  # noqa: F401 (re-exported
     random_id,
 )
 from corefleet.engine.openai.structured_request import GUIDED_FIELDS, structured_params
+from corefleet.engine.openai.token_request import (
+    AllowedTokenIds,
+    BadWords,
+    LogitBias,
+    LogprobTokenIds,
+    token_controls,
+)
 from corefleet.engine.openai.tool_request import (
     MessageToolCall,
     ToolChoice,
@@ -150,7 +157,7 @@ class _SamplingRequest(BaseModel):
     seed: NonNegativeInt64 | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None  # token id (a string) -> bias, clamped to [-100, 100]
     user: str | None = None  # accepted for compatibility; not used
     top_k: Annotated[int, Field(ge=-1, le=limits.INT64_MAX), _WHOLE] | None = None
     min_p: float | None = Field(default=None, ge=0, le=1)
@@ -162,6 +169,11 @@ class _SamplingRequest(BaseModel):
     )
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # vLLM's token-level controls (token_request.py): the only tokens that may be sampled,
+    # words that may not be generated, the tokens whose logprobs are reported.
+    allowed_token_ids: AllowedTokenIds | None = None
+    bad_words: BadWords | None = None
+    logprob_token_ids: LogprobTokenIds | None = None
     # Constrained output (structured_request.py): OpenAI's, then vLLM's two generations.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -294,8 +306,6 @@ def to_sampling_params(
         if request.best_of is not None and request.best_of != (request.n or 1):
             raise unsupported("best_of", "best_of other than n")
         logprobs, max_tokens = request.logprobs, request.max_tokens
-    if request.logit_bias:
-        raise unsupported("logit_bias", "logit_bias")
     if request.stream_options is not None and not request.stream:
         raise RequestError("stream_options requires stream=true", param="stream_options")
     # Same names on both sides; a null leaves SamplingParams' (vLLM's) default.
@@ -305,8 +315,10 @@ def to_sampling_params(
     structured = structured_params(
         request.response_format, request.structured_outputs, guided, free_end, tools
     )
+    logprobs, controls = token_controls(request, logprobs)
     params = SamplingParams(
         **same,
+        **controls,
         max_tokens=max_tokens,
         stop=list(request.stop or []),
         stop_token_ids=list(request.stop_token_ids or []),

@@ -3,10 +3,13 @@
 All math runs in torch on the logits' device; the only device->host transfer is one copy of
 the step's results at the end. Order of operations follows vLLM v1:
 
-1. logprobs to report, from the raw model logits (before penalties and temperature);
-2. repetition, frequency and presence penalties;
-3. the grammar's mask (structured outputs): disallowed tokens of constrained rows to ``-inf``;
-4. greedy rows: argmax; random rows: temperature, min-p, top-k, top-p, then an exponential-race
+1. logprobs to report, from the raw model logits (before penalties and temperature): each
+   row's top-N, or the tokens its ``logprob_token_ids`` name;
+2. token-level controls: tokens outside ``allowed_token_ids`` and those a bad word bans to
+   ``-inf``, then ``logit_bias`` added;
+3. repetition, frequency and presence penalties;
+4. the grammar's mask (structured outputs): disallowed tokens of constrained rows to ``-inf``;
+5. greedy rows: argmax; random rows: temperature, min-p, top-k, top-p, then an exponential-race
    draw (``argmax(probs / q)`` with ``q ~ Exp(1)``), each seeded row from its own generator.
 
 The caller's logits tensor is never modified.
@@ -79,6 +82,8 @@ class Sampler:
         logits = logits.float()  # no-op for float32; the math below assumes it
         # Reported logprobs are the model's own distribution, as in vLLM's default "raw" mode.
         raw_logprobs = compute_logprobs(logits) if meta.max_num_logprobs is not None else None
+        if meta.token_controls is not None:
+            logits = meta.token_controls.apply(logits)
         if not meta.no_penalties:
             logits = apply_penalties(logits, meta)
         if banned is not None:
@@ -231,6 +236,27 @@ def random_sample(
     return (argmax or _torch_argmax)(probs.div_(q))
 
 
+def _reported_ids(raw_logprobs: torch.Tensor, num_top: int, meta: SamplingMetadata) -> torch.Tensor:
+    """``[B, N]`` int64: the tokens whose logprobs each row reports besides the sampled one:
+    its top-N (descending), or the first entries are the ids its ``logprob_token_ids`` name,
+    in their order (every such list fits: N is the batch's largest count)."""
+    chosen = meta.logprob_token_ids
+    wants_top = any(n is not None and i not in chosen for i, n in enumerate(meta.num_logprobs))
+    if wants_top:
+        top_ids = raw_logprobs.topk(num_top, dim=-1).indices  # [B, N]
+    else:  # every row names its tokens: no top-k to compute
+        top_ids = torch.zeros(
+            raw_logprobs.shape[0], num_top, dtype=torch.int64, device=raw_logprobs.device
+        )
+    if chosen:
+        rows = [row for row, ids in chosen.items() for _ in ids]
+        cols = [col for ids in chosen.values() for col in range(len(ids))]
+        values = [t for ids in chosen.values() for t in ids]
+        index = torch.tensor([rows, cols, values], dtype=torch.int64, device=top_ids.device)
+        top_ids[index[0], index[1]] = index[2]
+    return top_ids
+
+
 def _torch_argmax(x: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
     return x.argmax(dim=-1)
 
@@ -250,9 +276,9 @@ def _to_output(
     ids = sampled.unsqueeze(1)  # [B, 1]
     lps = sampled_lp
     if num_top > 0:
-        top_lps, top_ids = raw_logprobs.topk(num_top, dim=-1)  # [B, N] descending
+        top_ids = _reported_ids(raw_logprobs, num_top, meta)  # [B, N]
         ids = torch.cat([ids, top_ids], dim=1)  # [B, N + 1]
-        lps = torch.cat([lps, top_lps], dim=1)  # [B, N + 1]
+        lps = torch.cat([lps, raw_logprobs.gather(1, top_ids)], dim=1)  # [B, N + 1]
     # Token ids and ranks are exact in float64 (< 2**53) and float32 logprobs widen exactly,
     # so one packed tensor carries everything across in one transfer.
     packed = torch.cat([ids.double(), lps.double(), ranks.double()], dim=1).cpu()  # [B, 2N+3]

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from corefleet.engine.messages import SamplingParams
+from corefleet.engine.worker.token_controls import TokenControls
 
 # Requests with a temperature below this are sampled greedily (same rule as SamplingParams).
 _GREEDY_TEMPERATURE = 1e-5
@@ -56,6 +57,10 @@ class SamplingMetadata:
     # Per row: the requested number of top logprobs (None: the row wants no logprobs).
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None  # None when no row wants logprobs
+    # Row -> the token ids whose logprobs it reports instead of its top-N (logprob_token_ids).
+    logprob_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # allowed_token_ids, bad words and logit_bias; None when no row uses any of them.
+    token_controls: TokenControls | None = None
 
     @property
     def no_top_p(self) -> bool:
@@ -88,7 +93,7 @@ class SamplingMetadata:
         _check_lengths(params, generators, output_token_ids, prompt_token_ids)
         greedy = [p.temperature < _GREEDY_TEMPERATURE for p in params]
         num_greedy = sum(greedy)
-        num_logprobs = [p.logprobs for p in params]
+        num_logprobs = [_num_logprobs(p) for p in params]
         meta = cls(
             vocab_size=vocab_size,
             all_greedy=num_greedy == len(params),
@@ -103,6 +108,10 @@ class SamplingMetadata:
             min_p=None,
             num_logprobs=num_logprobs,
             max_num_logprobs=max((n for n in num_logprobs if n is not None), default=None),
+            logprob_token_ids={
+                i: p.logprob_token_ids for i, p in enumerate(params) if p.logprob_token_ids
+            },
+            token_controls=TokenControls.build(params, output_token_ids, vocab_size, device),
         )
         if not meta.all_greedy:
             meta._build_random(params, greedy, generators, device)
@@ -189,6 +198,13 @@ class SamplingMetadata:
             mask = torch.zeros(len(params), self.vocab_size, dtype=torch.bool, device=device)
             mask.view(-1)[_flat_indices(prompt_rows, self.vocab_size, device)] = True
             self.prompt_token_mask = mask  # [B, V]
+
+
+def _num_logprobs(p: SamplingParams) -> int | None:
+    """How many logprobs besides the sampled token's a row reports (vLLM's ``num_logprobs``)."""
+    if p.logprobs is not None or not p.logprob_token_ids:
+        return p.logprobs
+    return len(p.logprob_token_ids)
 
 
 def _check_lengths(

@@ -161,7 +161,7 @@ def test_completion_prompt_forms(prompt: Any, inputs: list[Any]) -> None:
             "response_format",
         ),
         (CompletionRequest, {**COMPLETION, "guided_regex": 5}, "guided_regex"),
-        (ChatCompletionRequest, {**CHAT, "logit_bias": {"1": 5.0}}, "logit_bias"),
+        (ChatCompletionRequest, {**CHAT, "logit_bias": {"one": 5.0}}, "logit_bias"),
         (ChatCompletionRequest, {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
         (ChatCompletionRequest, {"messages": [{"role": "user"}]}, "messages"),
         (CompletionRequest, {**COMPLETION, "max_tokens": 0}, "max_tokens"),
