@@ -1,4 +1,12 @@
-"""The engine's per-token logprobs in OpenAI's two response formats."""
+"""The engine's per-token logprobs in OpenAI's two response formats.
+
+As vLLM: a completion's ``top_logprobs`` holds the sampled token first and then the top-N
+(so ``logprobs: 0`` still names the sampled token), a chat token's ``top_logprobs`` only the
+top-N; ``text_offset`` counts the characters of the tokens before it, so it never decreases
+even where a multi-byte character spans several tokens (each decoding to a replacement
+character until the last). With ``return_tokens_as_token_ids`` every token reads
+``"token_id:<id>"``, which survives tokens that are not valid UTF-8 on their own.
+"""
 
 from __future__ import annotations
 
@@ -15,28 +23,36 @@ from corefleet.engine.openai.protocol import (
 Row = dict[int, TokenLogprob]  # token id -> logprob: the sampled token and the top-N
 
 
-def _top(row: Row, k: int) -> list[TokenLogprob]:
-    ranked = [entry for entry in row.values() if entry.rank is not None and entry.rank <= k]
-    return sorted(ranked, key=lambda entry: entry.rank or 0)
+def _top(row: Row, k: int) -> list[tuple[int, TokenLogprob]]:
+    ranked = [(t, e) for t, e in row.items() if e.rank is not None and e.rank <= k]
+    return sorted(ranked, key=lambda item: item[1].rank or 0)
 
 
-def chat_logprobs(token_ids: Sequence[int], rows: Sequence[Row], top_k: int) -> ChatLogprobs:
+def token_text(token_id: int, entry: TokenLogprob, as_ids: bool) -> str:
+    """How a token is named in a response: its text, or ``token_id:<id>``."""
+    return f"token_id:{token_id}" if as_ids else entry.decoded_token
+
+
+def chat_logprobs(
+    token_ids: Sequence[int], rows: Sequence[Row], top_k: int, as_ids: bool = False
+) -> ChatLogprobs:
     """``choices[i].logprobs`` of a chat completion (or of one chunk)."""
     content = []
     for token_id, row in zip(token_ids, rows, strict=False):
         sampled = row[token_id]
+        text = token_text(token_id, sampled, as_ids)
         content.append(
             ChatTokenLogprob(
-                token=sampled.decoded_token,
+                token=text,
                 logprob=sampled.logprob,
-                bytes=list(sampled.decoded_token.encode()),
+                bytes=list(text.encode()),
                 top_logprobs=[
                     TopLogprob(
-                        token=e.decoded_token,
+                        token=(alt := token_text(t, e, as_ids)),
                         logprob=e.logprob,
-                        bytes=list(e.decoded_token.encode()),
+                        bytes=list(alt.encode()),
                     )
-                    for e in _top(row, top_k)
+                    for t, e in _top(row, top_k)
                 ],
             )
         )
@@ -44,19 +60,32 @@ def chat_logprobs(token_ids: Sequence[int], rows: Sequence[Row], top_k: int) -> 
 
 
 def completion_logprobs(
-    token_ids: Sequence[int], rows: Sequence[Row], top_k: int, text_offset: int
+    token_ids: Sequence[int],
+    rows: Sequence[Row],
+    top_k: int,
+    text_offset: int,
+    as_ids: bool = False,
 ) -> CompletionLogprobs:
-    """Legacy completions logprobs; ``text_offset`` is where these tokens start in the text."""
+    """Legacy completions logprobs; ``text_offset`` is the first token's offset (see
+    :func:`next_text_offset` to continue a choice's list across deltas)."""
     result = CompletionLogprobs()
     offset = text_offset
     for token_id, row in zip(token_ids, rows, strict=False):
         sampled = row[token_id]
-        result.tokens.append(sampled.decoded_token)
+        text = token_text(token_id, sampled, as_ids)
+        result.tokens.append(text)
         result.token_logprobs.append(sampled.logprob)
-        top: dict[str, float] = {}
-        for entry in _top(row, top_k):  # best first: alternatives that decode alike keep it
-            top.setdefault(entry.decoded_token, entry.logprob)
+        top = {text: sampled.logprob}  # the sampled token first, as vLLM
+        for t, entry in _top(row, top_k):  # best first: alternatives that decode alike keep it
+            top.setdefault(token_text(t, entry, as_ids), entry.logprob)
         result.top_logprobs.append(top)
         result.text_offset.append(offset)
-        offset += len(sampled.decoded_token)
+        offset += len(text)
     return result
+
+
+def next_text_offset(logprobs: CompletionLogprobs | None, start: int = 0) -> int:
+    """The ``text_offset`` of the token after ``logprobs``' last (``start`` if it has none)."""
+    if logprobs is None or not logprobs.tokens:
+        return start
+    return logprobs.text_offset[-1] + len(logprobs.tokens[-1])
