@@ -304,6 +304,22 @@ class Logprobs(msgspec.Struct, array_like=True, gc=False):
     sampled_ranks: list[int]  # rank of the sampled token in the full distribution (1 = best)
 
 
+class EngineCoreEventType(enum.IntEnum):
+    """vLLM's request lifecycle events, which the per-request latency metrics are made of."""
+
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+class EngineCoreEvent(msgspec.Struct, array_like=True, gc=False):
+    """One event of a request, at the engine's ``time.monotonic()``: comparable only with the
+    same rank's other timestamps (its events and the ``timestamp`` of its outputs)."""
+
+    type: EngineCoreEventType
+    timestamp: float
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """New tokens of one request in one step (or its finish)."""
 
@@ -316,6 +332,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # A pooling request's result, on its finishing output: the vector as float32 bytes
     # (little-endian, what numpy's "<f4" reads).
     pooling_output: bytes | None = None
+    # What happened to the request since its last output (queued, scheduled, preempted), for
+    # the per-request metrics (vLLM's ``events``); None on most outputs.
+    events: list[EngineCoreEvent] | None = None
     # With the first output of a request with ``prompt_logprobs``: row ``i`` is prompt token
     # ``i + 1`` (the first prompt token has no logprob), column 0 that token, then the top-N.
     new_prompt_logprobs: Logprobs | None = None
@@ -361,6 +380,14 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     current_wave: int = 0
     wave_running: bool = False
     dummy_steps: int = 0
+    # Cumulative counters for /metrics (vLLM's prefix_cache_queries/hits, in tokens, and
+    # num_preemptions), and the tokens each step scheduled as histogram bucket counts
+    # (``core/step_stats.py``'s bounds, the last bucket +Inf) with their sum.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    iteration_token_counts: list[int] = msgspec.field(default_factory=list)
+    iteration_tokens_sum: int = 0
 
 
 class PoolerInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -392,6 +419,9 @@ class ReadyResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     dp_size: int = 1
     # ``--runner pooling``: what the rank's vectors are (None: a generating rank).
     pooler: PoolerInfo | None = None
+    # Cache settings for /metrics' vllm:cache_config_info ("": an older rank did not say).
+    cache_dtype: str = ""
+    enable_prefix_caching: bool = False
 
 
 class Hello(msgspec.Struct, tag="hello", omit_defaults=True, gc=False):

@@ -9,6 +9,8 @@ from concurrent.futures import Future
 from typing import Any, Protocol
 
 from corefleet.engine.messages import (
+    EngineCoreEvent,
+    EngineCoreEventType,
     EngineCoreRequest,
     FinishReason,
     PoolingParams,
@@ -100,6 +102,11 @@ class Request:
             pooling_params is not None and pooling_params.pooling_type != "LAST"
         )
         self.num_preemptions = 0
+        # vLLM's lifecycle events not yet sent; the next output carries them. Created when the
+        # engine receives the request, so it starts queued.
+        self.events: list[EngineCoreEvent] | None = [
+            EngineCoreEvent(EngineCoreEventType.QUEUED, time.monotonic())
+        ]
         self.max_tokens = sampling_params.max_tokens
         # Token count (prompt + output) at which max_tokens stops the request (none: never).
         self.length_limit = (
@@ -158,6 +165,30 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
+
+    def mark_scheduled(self) -> None:
+        """Admitted to run, the first time or again after a preemption."""
+        self.status = RequestStatus.RUNNING
+        self._record_event(EngineCoreEventType.SCHEDULED)
+
+    def mark_preempted(self) -> None:
+        self.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self._record_event(EngineCoreEventType.PREEMPTED)
+
+    def _record_event(self, event_type: EngineCoreEventType) -> None:
+        event = EngineCoreEvent(event_type, time.monotonic())
+        if self.events is None:
+            self.events = [event]
+        else:
+            self.events.append(event)
+        # The scheduler's fast path sends bare tokens: the next token takes the full path,
+        # whose output carries the events (``core/stop.py``).
+        self.next_check_at = 0
+
+    def take_events(self) -> list[EngineCoreEvent] | None:
+        events, self.events = self.events, None
+        return events
 
     def append_output_token_ids(self, token_id: int) -> None:
         """Record one generated token and hash any block it completes."""

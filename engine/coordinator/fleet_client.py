@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import zmq
@@ -46,6 +46,16 @@ from corefleet.engine.messages import (
 logger = logging.getLogger(__name__)
 
 
+class StampedOutput(NamedTuple):
+    """An output with the rank that made it and that rank's ``time.monotonic()`` when its step
+    ended (what the per-request metrics measure phases with: a rank's clock means nothing to
+    another process). Rank -1 and time 0.0: the coordinator ended the request itself."""
+
+    output: EngineCoreOutput
+    rank: int
+    engine_time: float
+
+
 class _Outputs:
     """A request's outputs on their way to its reader: a deque and a future to wake it.
     ``asyncio.Queue`` does the same with more (a size bound, ``join``'s event, waiter lists)
@@ -54,15 +64,15 @@ class _Outputs:
     __slots__ = ("_items", "_waiter")
 
     def __init__(self) -> None:
-        self._items: collections.deque[EngineCoreOutput] = collections.deque()
+        self._items: collections.deque[StampedOutput] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
 
-    def put_nowait(self, output: EngineCoreOutput) -> None:
+    def put_nowait(self, output: StampedOutput) -> None:
         self._items.append(output)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def get(self) -> EngineCoreOutput:
+    async def get(self) -> StampedOutput:
         while not self._items:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
@@ -139,6 +149,14 @@ class FleetClient:
 
     async def generate(self, request: EngineCoreRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         """Yield the request's outputs until it finishes; abort it if the caller stops early."""
+        async with contextlib.aclosing(self.generate_stamped(request)) as stamped:
+            async for item in stamped:
+                yield item.output
+
+    async def generate_stamped(
+        self, request: EngineCoreRequest
+    ) -> AsyncGenerator[StampedOutput, None]:
+        """:meth:`generate`, each output with the rank that made it and when."""
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         state = _InFlight(request, _Outputs())
@@ -146,9 +164,9 @@ class FleetClient:
         try:
             await self._dispatch(state)
             while True:
-                output = await state.queue.get()
-                yield output
-                if output.finished:
+                item = await state.queue.get()
+                yield item
+                if item.output.finished:
                     return
         finally:
             if not state.finished:  # the caller went away (e.g. an HTTP client disconnected)
@@ -250,7 +268,7 @@ class FleetClient:
                 state.finished = True
                 # A request that ended since the rank's last stats no longer loads it.
                 self._bumps[rank] = max(0, self._bumps.get(rank, 0) - 1)
-            state.queue.put_nowait(output)
+            state.queue.put_nowait(StampedOutput(output, rank, outputs.timestamp))
 
     def _on_waves(self, rank: int, outputs: EngineCoreOutputs) -> None:
         if outputs.wave_complete is not None:
@@ -298,7 +316,7 @@ class FleetClient:
         output = EngineCoreOutput(
             state.request.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=message
         )
-        state.queue.put_nowait(output)
+        state.queue.put_nowait(StampedOutput(output, -1, 0.0))
 
     async def _send_abort(self, state: _InFlight) -> None:
         if state.rank < 0:

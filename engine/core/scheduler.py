@@ -284,7 +284,7 @@ class Scheduler:
                 break
             waiting.pop()
             self.running.append(request)
-            request.status = _RUNNING
+            request.mark_scheduled()
             if request.num_cached_tokens < 0:  # first admission: report prompt tokens hit
                 request.num_cached_tokens = num_hit
             admitted.append(
@@ -308,9 +308,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the request's KV cache and queue it at the head."""
         self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
+        request.mark_preempted()
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
         self.preempted_req_ids.add(request.request_id)

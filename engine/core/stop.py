@@ -58,7 +58,8 @@ def check_appended_token(
         token_ids[0] in request.stopping_token_ids
         or len(request.all_token_ids) >= request.next_check_at
         or len(request.output_token_ids) == 1
-    ):  # it may stop, or it is the first output (which reports cache hits)
+        or request.events
+    ):  # it may stop, or it is the first output (cache hits), or events are due
         finished = check_stop(request, max_model_len)
         return make_output(request, token_ids, 1, finished, {})
     return EngineCoreOutput(request.request_id, token_ids)  # only a block filled
@@ -102,4 +103,5 @@ def make_output(
         finish_reason=RequestStatus.finish_reason(request.status) if finished else None,
         stop_reason=request.stop_reason if finished else None,
         num_cached_tokens=max(request.num_cached_tokens, 0) if first else 0,
+        events=request.take_events(),
     )

@@ -21,6 +21,7 @@ from corefleet.engine.core.scheduler_output import (
     SchedulerOutput,
     attach_token_ids,
 )
+from corefleet.engine.core.step_stats import StepTokenHistogram
 from corefleet.engine.engine_core.startup import StartupClock
 from corefleet.engine.frontend.tokenizer import Tokenizer
 from corefleet.engine.messages import (
@@ -87,6 +88,7 @@ class EngineCore:
         self.max_model_len = _fit_to_kv_cache(
             self.max_model_len, (self.num_blocks - 1) * block_size, explicit_max_model_len
         )
+        self.step_tokens = StepTokenHistogram()  # for EngineStats (vllm:iteration_tokens)
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.num_blocks, self.max_model_len, block_size
         )
@@ -149,6 +151,7 @@ class EngineCore:
         if not self.scheduler.has_requests():
             return {}, False
         scheduler_output = self.scheduler.schedule()
+        self.step_tokens.observe(scheduler_output.total_num_scheduled_tokens)
         future = self.executor.execute_model(scheduler_output, non_block=True)
         # While the model runs: the allowed tokens of the batch's constrained requests.
         grammar_output = self._grammar_bitmask(scheduler_output)
@@ -171,6 +174,7 @@ class EngineCore:
         launched = False
         if len(batch_queue) < self.batch_queue_size and self.scheduler.has_requests():
             scheduler_output = self.scheduler.schedule()
+            self.step_tokens.observe(scheduler_output.total_num_scheduled_tokens)
             if (
                 scheduler_output.total_num_scheduled_tokens
                 or scheduler_output.finished_req_ids
@@ -242,6 +246,8 @@ class EngineCore:
             pid=os.getpid(),
             max_num_seqs=self.config.scheduler.max_num_seqs,
             pooler=self.pooler_info,
+            cache_dtype=self.config.cache.cache_dtype,
+            enable_prefix_caching=self.config.cache.enable_prefix_caching,
         )
 
     def get_utility(self, name: str) -> Callable[..., Any]:

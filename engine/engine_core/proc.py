@@ -232,6 +232,11 @@ class EngineCoreProc(EngineCore):
             draining=self.shutdown_state is not ShutdownState.RUNNING,
             step_counter=stats.step_counter,
             exiting=self._exiting,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            num_preemptions=stats.num_preemptions,
+            iteration_token_counts=list(self.step_tokens.counts),
+            iteration_tokens_sum=self.step_tokens.total,
         )
 
     def request_shutdown(self) -> None:

@@ -6,7 +6,6 @@ or chat; whole or streamed as server-sent events) and records latency and token 
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,19 +23,11 @@ from corefleet.engine.openai.tool_request import NO_TOOLS, ToolPlan
 _JSON = msgspec.json.Encoder()
 
 
-async def _timed(metrics: ServingMetrics, generation: Generation) -> AsyncIterator[ChoiceDelta]:
-    """The generation's deltas, recording latency and token metrics on the way."""
-    started = last = time.monotonic()
-    first = True
-    metrics.prompt_tokens.inc(generation.num_prompt_tokens)
-    async for delta in generation.deltas():
-        now = time.monotonic()
-        if delta.token_ids:
-            (metrics.ttft if first else metrics.itl).observe(now - last)
-            first, last = False, now
-            metrics.generation_tokens.inc(len(delta.token_ids))
-        yield delta
-    metrics.e2e.observe(time.monotonic() - started)
+def _timed(metrics: ServingMetrics, generation: Generation) -> AsyncIterator[ChoiceDelta]:
+    """The generation's deltas; its engine outputs feed the request-level metrics on the way
+    (``request_metrics.py``)."""
+    generation.observer = metrics.request_stats(generation)
+    return generation.deltas()
 
 
 def _usage(generation: Generation, completion_tokens: int) -> p.UsageInfo:

@@ -14,13 +14,14 @@ import itertools
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from corefleet.engine.coordinator.fleet_client import FleetClient
+from corefleet.engine.coordinator.fleet_client import FleetClient, StampedOutput
 from corefleet.engine.frontend.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from corefleet.engine.frontend.output_processor import OutputProcessor
 from corefleet.engine.frontend.outputs import RequestOutput, TokenLogprob
 from corefleet.engine.frontend.tokenizer import Tokenizer
-from corefleet.engine.messages import EngineCoreOutput, EngineCoreRequest, SamplingParams
+from corefleet.engine.messages import EngineCoreRequest, SamplingParams
 
 
 @dataclass
@@ -36,6 +37,13 @@ class ChoiceDelta:
     # On the finishing delta: the choice's whole text. A stop string can end inside text that
     # was already streamed; a non-streamed response uses this, not the sum of the deltas.
     full_text: str | None = None
+
+
+class OutputObserver(Protocol):
+    """Sees every engine output of a generation, with the finish reason of its choice when
+    this output ended it (the engine's, or a stop string's): the per-request metrics."""
+
+    def observe(self, stamped: StampedOutput, finish_reason: str | None) -> None: ...
 
 
 @dataclass
@@ -69,6 +77,7 @@ class Generation:
         self.processed: list[ProcessedPrompt] = [inputs.process_prompt(p) for p in prompts]
         self.engine_requests: list[EngineCoreRequest] = []
         self._choice: dict[str, tuple[str, int, int]] = {}  # engine id -> parent, sample, choice
+        self.observer: OutputObserver | None = None  # set before deltas() to watch outputs
         for p_index, prompt in enumerate(self.processed):
             parent = f"{request_id}-{p_index}"
             children = inputs.make_requests(parent, prompt, params)
@@ -87,13 +96,19 @@ class Generation:
     def num_prompt_tokens(self) -> int:
         return sum(len(p.prompt_token_ids) for p in self.processed)
 
+    def parent_of(self, engine_id: str) -> str:
+        """The prompt (vLLM's parent request) an engine request is a sample of."""
+        return self._choice[engine_id][0]
+
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Every change of every choice until all are finished; aborts the rest if stopped."""
         outputs = self._outputs()
         sent = {engine_id: _Sent() for engine_id in self._choice}
         unfinished = len(sent)
+        observer = self.observer
         try:
-            async for output in outputs:
+            async for stamped in outputs:
+                output = stamped.output
                 if output.request_id not in sent or sent[output.request_id].finished:
                     continue
                 changed, to_abort = self.processor.process_outputs([output])
@@ -102,6 +117,8 @@ class Generation:
                 state = sent[output.request_id]
                 delta = self._delta(output.request_id, changed, state)
                 unfinished -= state.finished
+                if observer is not None:
+                    observer.observe(stamped, delta.finish_reason if delta is not None else None)
                 # Tokens that are not text yet (part of a UTF-8 character) make no chunk.
                 if delta is not None and (delta.text or delta.finish_reason is not None):
                     yield delta
@@ -110,18 +127,18 @@ class Generation:
         finally:  # a caller that stops early aborts what is still running
             await outputs.aclose()
 
-    def _outputs(self) -> AsyncGenerator[EngineCoreOutput, None]:
+    def _outputs(self) -> AsyncGenerator[StampedOutput, None]:
         """The engine requests' outputs as they come. One request (the usual case) is read
         directly; several are merged through a queue, one reading task each."""
         if len(self.engine_requests) == 1:
-            return self.fleet.generate(self.engine_requests[0])
+            return self.fleet.generate_stamped(self.engine_requests[0])
         return self._merged()
 
-    async def _merged(self) -> AsyncGenerator[EngineCoreOutput, None]:
-        queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+    async def _merged(self) -> AsyncGenerator[StampedOutput, None]:
+        queue: asyncio.Queue[StampedOutput] = asyncio.Queue()
 
         async def pump(request: EngineCoreRequest) -> None:
-            async for output in self.fleet.generate(request):
+            async for output in self.fleet.generate_stamped(request):
                 queue.put_nowait(output)
 
         pumps = [asyncio.create_task(pump(r)) for r in self.engine_requests]
