@@ -22,6 +22,7 @@ from corefleet.engine.openai import protocol as p
 from corefleet.engine.openai.admission import Ticket, unauthorized
 from corefleet.engine.openai.errors import RequestError, parse_request
 from corefleet.engine.openai.extra_fields import check_extra_fields
+from corefleet.engine.openai.pooling_api import PoolingApi, refuse_generation
 from corefleet.engine.openai.replies import Reply, StreamReply, error_reply, json_reply
 from corefleet.engine.openai.responses import (
     chat_chunks,
@@ -50,6 +51,8 @@ class GenerationApi:
             "/v1/completions": self.completions,
             "/v1/chat/completions": self.chat,
         }
+        # --runner pooling's endpoints, served the same way (``pooling_api``).
+        self.endpoints.update(PoolingApi(state).endpoints)
 
     def closing(self) -> bool:
         """True once the server shuts down: every answer then closes its connection."""
@@ -137,6 +140,7 @@ def _admit(
             code="model_not_found",
         )
     info = state.engine_info()  # 503 while no rank is ready
+    refuse_generation(info)  # 404 from a --runner pooling server
     _check_choices(body, num_prompts, state.limits.effective_max_n(info.max_num_seqs))
     return state.limiter.admit(key_id, (body.n or 1) * num_prompts), info
 
