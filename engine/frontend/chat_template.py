@@ -1,9 +1,11 @@
 """Chat templates: the model's Jinja template rendered as transformers renders it, sandboxed.
 
 A template may refuse a conversation (its ``raise_exception``: a role it does not know, an
-order of roles it does not allow); that is the client's mistake, :class:`ChatTemplateRefused`
-(a ``ValueError``). A template that tries to escape the sandbox is the server's fault and
-raises jinja2's ``SecurityError`` unchanged.
+order of roles it does not allow, or any error while rendering what a request sent); that is
+the client's mistake, :class:`ChatTemplateRefused` (a ``ValueError``), as vLLM turns every
+rendering error into a 400. A template that tries to escape the sandbox raises jinja2's
+``SecurityError`` unchanged: the server's fault when the template is the model's, the
+caller's to report when a request sent it.
 """
 
 from __future__ import annotations
@@ -87,23 +89,79 @@ def template_variables(source: str) -> frozenset[str]:
     return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
 
 
+def check_template_source(source: str) -> None:
+    """Compile ``source`` (a template a request sent) to find its syntax errors early.
+
+    Raises:
+        ChatTemplateRefused: ``source`` is not a valid Jinja template.
+    """
+    try:
+        _compile_template(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateRefused(f"the chat template does not parse: {exc}") from exc
+
+
+# transformers' marker of where the continued message ends: appended to its content, found in
+# the rendered text, and cut away with everything after it.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
 def render_chat_template(
     source: str,
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool,
     variables: Mapping[str, Any],
+    continue_final_message: bool = False,
 ) -> str:
     """``source`` rendered with ``messages``, ``add_generation_prompt`` and ``variables``.
 
+    ``continue_final_message``: the text ends right after the last message's content (no
+    end-of-turn after it), so that the model continues that message instead of starting a new
+    one; transformers' rule, whitespace handling included.
+
     Raises:
-        ChatTemplateRefused: the template rejected the conversation or could not render it.
+        ChatTemplateRefused: the template rejected the conversation, could not render it, or
+            dropped the final message that ``continue_final_message`` continues.
     """
-    template = _compile_template(source)
+    chat = [dict(m) for m in messages]
+    final = ""
+    if continue_final_message:
+        final = _tag_final_message(source, chat)
     try:
-        return template.render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, **variables
+        template = _compile_template(source)
+        text = template.render(
+            messages=chat, add_generation_prompt=add_generation_prompt, **variables
         )
     except jinja2.exceptions.SecurityError:
-        raise  # the template itself is hostile: a fault of the server, not of the request
+        raise  # the template itself is hostile: see the module's docstring
     except jinja2.TemplateError as exc:
         raise ChatTemplateRefused(f"the chat template refused the conversation: {exc}") from exc
+    except Exception as exc:  # a TypeError etc. on what the request sent: its fault too
+        raise ChatTemplateRefused(f"the chat template failed on this request: {exc!r}") from exc
+    if not continue_final_message:
+        return text
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in text or tag not in text:
+        raise ChatTemplateRefused(
+            "continue_final_message: the final message does not appear in the text the chat "
+            "template renders (the template changes or drops it)"
+        )
+    at = text.rindex(tag)
+    if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:  # the template kept the spacing
+        return text[:at]
+    return text[:at].rstrip()  # the template trimmed the content: trim what precedes the tag
+
+
+def _tag_final_message(source: str, chat: list[dict[str, Any]]) -> str:
+    """Mark the end of ``chat``'s last message's content (in place); returns the content."""
+    if not chat:
+        raise ChatTemplateRefused("continue_final_message needs a message to continue")
+    final = chat[-1].get("content")
+    if not isinstance(final, str):
+        raise ChatTemplateRefused("continue_final_message: the final message has no content")
+    if "content" not in source:
+        raise ChatTemplateRefused(
+            "continue_final_message: the chat template does not render messages' content"
+        )
+    chat[-1]["content"] = final + _CONTINUE_TAG
+    return final

@@ -15,7 +15,7 @@ from corefleet.engine.config import EngineConfig
 from corefleet.engine.frontend.input_processor import InputProcessor, PromptType
 from corefleet.engine.frontend.output_processor import OutputProcessor
 from corefleet.engine.frontend.outputs import RequestOutput
-from corefleet.engine.frontend.tokenizer import Tokenizer
+from corefleet.engine.frontend.tokenizer import RESERVED_TEMPLATE_KWARGS, Tokenizer
 from corefleet.engine.messages import SamplingParams, SchedulerStats
 from corefleet.engine.models.loader import resolve_model_path
 
@@ -94,20 +94,41 @@ class LLM:
         messages: ChatMessages | Sequence[ChatMessages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate.
+        """Apply the chat template (``chat_template``, else the model's) to each conversation,
+        then generate; vLLM's ``LLM.chat`` options.
 
         ``tools`` (OpenAI's ``{"type": "function", "function": {...}}`` entries) go to the
         template, as in vLLM's ``LLM.chat``; reading calls out of the answers is the HTTP API's
-        job (``--tool-call-parser``)."""
+        job (``--tool-call-parser``). ``chat_template_kwargs`` are more template variables
+        (``enable_thinking``...); ``continue_final_message`` leaves the last message open for
+        the model to continue it (``add_generation_prompt`` must then be false).
+
+        Raises:
+            ValueError: both prompt flags, a reserved name in ``chat_template_kwargs``
+                (``messages``, ``tools``, ``chat_template``...), or a conversation the template
+                refuses.
+        """
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if reserved:
+            raise ValueError(f"chat_template_kwargs cannot set {reserved[0]!r}")
+        if tools is not None:
+            kwargs["tools"] = tools
         conversations = _as_conversations(messages)
         prompts: list[PromptType] = []
-        variables = {} if tools is None else {"tools": tools}
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, **variables
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+                **kwargs,
             )
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})

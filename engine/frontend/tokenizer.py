@@ -33,7 +33,16 @@ from corefleet.engine.models.gguf_metadata import (
     read_gguf_tokenizer_metadata,
 )
 
-__all__ = ["ChatTemplateRefused", "Tokenizer"]
+__all__ = ["BOTH_PROMPT_FLAGS", "RESERVED_TEMPLATE_KWARGS", "ChatTemplateRefused", "Tokenizer"]
+
+# vLLM's words for a request that both opens a new turn and continues the last one.
+BOTH_PROMPT_FLAGS = "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+# Template arguments a caller's kwargs may not set: the conversation, the tools (their own
+# argument) and transformers' render options. vLLM refuses chat_template and tokenize outright;
+# messages, conversation and tools fail there as arguments given twice.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "conversation", "tools", "chat_template", "tokenize"}
+)
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -151,30 +160,46 @@ class Tokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
         **kwargs: Any,
     ) -> str:
-        """Render ``messages`` with the model's Jinja chat template.
+        """Render ``messages`` with ``chat_template``, else the model's Jinja chat template.
 
-        The template sees ``messages``, ``add_generation_prompt``, the special tokens
-        (``bos_token``, ``eos_token``, ...) and any ``kwargs`` (e.g. ``tools``), as with
-        transformers' ``apply_chat_template(tokenize=False)``.
+        The template sees ``messages``, ``add_generation_prompt``, ``documents`` (when given),
+        the special tokens (``bos_token``, ``eos_token``, ...) and any ``kwargs`` (e.g.
+        ``tools``, ``enable_thinking``), which may override the special tokens, as with
+        transformers' ``apply_chat_template(tokenize=False)``. ``continue_final_message``
+        leaves the last message open (no end-of-turn after it) for the model to continue.
 
         Raises:
-            ValueError: the model has no chat template.
+            ValueError: no template (neither given nor the model's), or both
+                ``continue_final_message`` and ``add_generation_prompt``.
             ChatTemplateRefused: the template rejected the conversation (its
                 ``raise_exception``, e.g. a role it does not know) or could not render it.
         """
-        if not self.chat_template:
+        template = chat_template if chat_template is not None else self.chat_template
+        if not template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(BOTH_PROMPT_FLAGS)
         variables: dict[str, Any] = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
             "unk_token": self.unk_token,
             "pad_token": self.pad_token,
         }
+        if documents is not None:
+            variables["documents"] = documents
         variables.update(kwargs)
         return render_chat_template(
-            self.chat_template, [dict(m) for m in messages], add_generation_prompt, variables
+            template,
+            [dict(m) for m in messages],
+            add_generation_prompt,
+            variables,
+            continue_final_message=continue_final_message,
         )
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "MIN_TOKENS_ABOVE_MAX_TOKENS",
     "SCHEMA_VALID_REFUSALS",
     "SSE_DONE",
+    "TOKEN_OUT_OF_VOCABULARY",
     "ErrorInfo",
     "ErrorResponse",
     "RequestError",
@@ -47,13 +48,18 @@ CHAT_TEMPLATE_REFUSED = "chat_template_refused"
 INVALID_GRAMMAR = "invalid_grammar"
 CONSTRAINT_CONFLICT = "constraint_conflict"
 INVALID_TOOL_CHOICE = "invalid_tool_choice"
+TOKEN_OUT_OF_VOCABULARY = "token_out_of_vocabulary"
 SCHEMA_VALID_REFUSALS: dict[str, str] = {
+    TOKEN_OUT_OF_VOCABULARY: "a /detokenize id below the model's vocabulary size but not below "
+    "its tokenizer's (a model whose embedding table is padded past the vocabulary)",
     CONTEXT_LENGTH_EXCEEDED: "the prompt, counted in tokens, does not leave room in the "
     "model's context (max_model_len) for max_tokens (or min_tokens) more tokens",
     MIN_TOKENS_ABOVE_MAX_TOKENS: "min_tokens is larger than max_tokens",
     EMPTY_PROMPT: "the prompt's text has no token (only characters the tokenizer drops)",
-    CHAT_TEMPLATE_REFUSED: "the model's chat template refused the conversation (for example a "
-    "role or an order of roles it does not support)",
+    CHAT_TEMPLATE_REFUSED: "the chat template refused the conversation (for example a role or "
+    "an order of roles it does not support, or chat_template_kwargs it cannot render), or the "
+    "request's own chat_template was refused (it does not parse, or the server runs without "
+    "--trust-request-chat-template)",
     INVALID_GRAMMAR: "the JSON schema, regex or grammar that constrains the output is not one "
     "the grammar backend can compile, or is longer than 65,536 characters",
     CONSTRAINT_CONFLICT: "more than one field constrains the output (response_format, "

@@ -1,8 +1,8 @@
 """Request fields beyond the ones the request models declare: refused when they would change
 the answer, otherwise ignored with a warning in the log.
 
-Clients send more than OpenAI's core parameters: vLLM's extras (``prompt_logprobs``,
-``bad_words``...), newer OpenAI ones (``tool_choice``,
+Clients send more than OpenAI's core parameters: vLLM's extras (``logits_processors``,
+``vllm_xargs``...), newer OpenAI ones (``tool_choice``,
 ``modalities``...), and whatever an SDK or a proxy adds. Ignoring a field that constrains or
 reshapes the output would answer a different question with a 200, so each field in
 :data:`REFUSED` gets a 400 naming it, unless its value is one that changes nothing (null, or
@@ -46,12 +46,8 @@ def _empty(value: Any) -> bool:
 
 # Both endpoints. vLLM's names first, then OpenAI's.
 _COMMON: dict[str, Refused] = {
-    "prompt_logprobs": Refused("prompt logprobs"),
     "logits_processors": Refused("logits processors", _empty),
-    "use_beam_search": Refused("beam search", _one_of(False)),
     "truncate_prompt_tokens": Refused("prompt truncation"),
-    "return_tokens_as_token_ids": Refused("tokens returned as token ids", _one_of(False)),
-    "return_token_ids": Refused("token ids in the response", _one_of(False)),
     "vllm_xargs": Refused("vllm_xargs (custom sampling extensions)", _empty),
     "spaces_between_special_tokens": Refused("spaces_between_special_tokens"),
     "functions": Refused("function calling", _empty),
@@ -65,18 +61,21 @@ _COMMON: dict[str, Refused] = {
 REFUSED: Mapping[str, Mapping[str, Refused]] = {
     "completions": _COMMON
     | {
+        # Embeddings instead of (or beside) the prompt: never the prompt alone in their place.
+        "prompt_embeds": Refused("prompt embeddings (prompt_embeds)", _empty),
         "add_special_tokens": Refused("add_special_tokens=false", _one_of(True)),
         "tool_choice": Refused("tool calling (chat only)", _one_of("none", "auto")),
     },
-    "chat": _COMMON
-    | {
-        "add_generation_prompt": Refused("add_generation_prompt=false", _one_of(True)),
-        "continue_final_message": Refused("continue_final_message", _one_of(False)),
-        "add_special_tokens": Refused("add_special_tokens=true", _one_of(False)),
-        "chat_template": Refused("a chat template per request"),
-        "chat_template_kwargs": Refused("chat template arguments", _empty),
-        "documents": Refused("documents for the chat template", _empty),
-        "echo": Refused("echo", _one_of(False)),
+    "chat": _COMMON,  # vLLM's chat-template fields are declared (chat_render.py)
+    # POST /v1/responses (responses_models.py): OpenAI's fields it does not serve.
+    "responses": {
+        "reasoning": Refused("reasoning options", _empty),
+        "background": Refused("background responses", _one_of(False)),
+        "include": Refused("extra output (include)", _empty),
+        "top_logprobs": Refused("logprobs in responses", _one_of(0)),
+        "conversation": Refused("stored conversations (use previous_response_id)"),
+        "prompt": Refused("stored prompt templates"),
+        "max_tool_calls": Refused("max_tool_calls"),
     },
 }
 
@@ -94,7 +93,9 @@ IGNORED_QUIETLY = frozenset(
         "request_id",
         "guided_decoding_backend",  # the server's backend (llguidance) is not per request
         "guided_whitespace_pattern",  # whitespace between JSON tokens is already flexible
-        "length_penalty",  # only with beam search, which is refused
+        "safety_identifier",  # Responses: the end user's id, for OpenAI's abuse checks
+        "prompt_cache_key",  # Responses: a cache hint; the prefix cache needs none
+        "stream_options",  # Responses: obfuscation padding of stream events
     }
 )
 

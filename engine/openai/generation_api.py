@@ -20,6 +20,12 @@ from corefleet.engine.frontend.tokenizer import Tokenizer
 from corefleet.engine.messages import ReadyResponse
 from corefleet.engine.openai import protocol as p
 from corefleet.engine.openai.admission import Ticket, unauthorized
+from corefleet.engine.openai.beam_api import beam_reply, check_beam_request
+from corefleet.engine.openai.chat_render import (
+    ChatTemplateFields,
+    check_chat_template_fields,
+    render_chat,
+)
 from corefleet.engine.openai.errors import RequestError, parse_request
 from corefleet.engine.openai.extra_fields import check_extra_fields
 from corefleet.engine.openai.pooling_api import PoolingApi, refuse_generation
@@ -33,7 +39,7 @@ from corefleet.engine.openai.responses import (
 from corefleet.engine.openai.server_state import ServerState
 from corefleet.engine.openai.serving import Generation
 from corefleet.engine.openai.structured_request import check_constraint, constraint_chars
-from corefleet.engine.openai.tool_request import NO_TOOLS, ToolPlan, plan_tools, template_inputs
+from corefleet.engine.openai.tool_request import NO_TOOLS, ToolPlan, plan_tools
 
 # Prompts up to this many characters are tokenized on the event loop: ~0.1 ms at most, less
 # than a hand-off to a worker thread and back.
@@ -81,14 +87,45 @@ class GenerationApi:
         """``POST /v1/chat/completions``."""
         try:
             body = parse_request(p.ChatCompletionRequest, raw)
-            check_extra_fields(body.model_extra, "chat")
-            tools = plan_tools(
-                body.tools, body.tool_choice, body.parallel_tool_calls, self.state.tool_options
-            )
-            prompt = _ChatPrompt(body.template_messages(), tools)
+            prompt, tools = self.chat_prompt(body)
         except RequestError as err:
             return error_reply(err)
         return await self._generate(key_id, body, [prompt], tools)
+
+    def chat_prompt(self, body: p.ChatCompletionRequest) -> tuple[Any, ToolPlan]:
+        """The prompt (rendered when it starts) and the tool plan of a parsed chat request;
+        also the Responses API's (``responses_api.py``), which is a chat request in another
+        shape.
+
+        Raises:
+            RequestError: a field the server refuses, a bad tool or template option.
+        """
+        check_extra_fields(body.model_extra, "chat")
+        tools = plan_tools(
+            body.tools, body.tool_choice, body.parallel_tool_calls, self.state.tool_options
+        )
+        check_chat_template_fields(body, self.state.options.trust_request_chat_template)
+        return _ChatPrompt(body.template_messages(), body, tools), tools
+
+    async def start(
+        self,
+        key_id: str | None,
+        body: p.CompletionRequest | p.ChatCompletionRequest,
+        prompts: list[Any],
+        tools: ToolPlan = NO_TOOLS,
+    ) -> tuple[Ticket, Generation]:
+        """Admit and start one generation request. The caller releases the ticket once the
+        answer is complete, the stream ends or the client goes away.
+
+        Raises:
+            RequestError: refused (404, 400, 429, 503...); nothing is held then.
+        """
+        ticket, info = _admit(self.state, key_id, body, len(prompts))
+        try:
+            return ticket, await _start(self.state, info, body, prompts, tools)
+        except RequestError:
+            ticket.release()
+            raise
 
     async def _generate(
         self,
@@ -101,25 +138,31 @@ class GenerationApi:
         flight is held until the answer is complete, the stream ends or the client goes away."""
         state = self.state
         try:
-            ticket, info = _admit(state, key_id, body, len(prompts))
+            ticket, generation = await self.start(key_id, body, prompts, tools)
         except RequestError as err:
             return error_reply(err)
-        try:
-            generation = await _start(state, info, body, prompts, tools)
-        except RequestError as err:
-            ticket.release()
-            return error_reply(err)
-        name, metrics = state.model_name, state.metrics
+        if body.use_beam_search:
+            try:
+                constrained = generation.params.structured_outputs is not None
+                check_beam_request(body, constrained or tools.reads_calls)
+                return await beam_reply(state, body, generation)
+            except RequestError as err:
+                return error_reply(err)
+            finally:
+                ticket.release()
+        name, metrics, options = state.model_name, state.metrics, state.options
         if body.stream:
             if isinstance(body, p.CompletionRequest):
-                events = completion_chunks(name, metrics, body, generation)
+                events = completion_chunks(name, metrics, body, generation, options)
             else:
-                events = chat_chunks(name, metrics, body, generation, tools)
+                events = chat_chunks(name, metrics, body, generation, tools, options)
             return StreamReply(_released(ticket, events))
         try:
             if isinstance(body, p.CompletionRequest):
-                return json_reply(await completion_response(name, metrics, body, generation))
-            return json_reply(await chat_response(name, metrics, body, generation, tools))
+                answer = await completion_response(name, metrics, body, generation, options)
+            else:
+                answer = await chat_response(name, metrics, body, generation, tools, options)
+            return json_reply(answer)
         finally:
             ticket.release()
 
@@ -171,6 +214,7 @@ class _ChatPrompt:
     """A conversation, rendered and tokenized off the event loop like a text prompt."""
 
     messages: list[dict[str, Any]]
+    fields: ChatTemplateFields  # the request's chat-template options
     tools: ToolPlan = NO_TOOLS
 
 
@@ -184,7 +228,9 @@ async def _start(
     """Tokenize and validate, then start the generation. Long prompts go to a worker thread
     (tokenizing them takes a while and must not stall every other request); short ones are
     tokenized at once, since handing them to a thread costs more than tokenizing them."""
-    params = p.to_sampling_params(body, info.vocab_size, tools.constraint)
+    params = p.to_sampling_params(
+        body, info.vocab_size, tools.constraint, state.structured_outputs
+    )
     inputs = InputProcessor(state.tokenizer, info.max_model_len, info.vocab_size)
     request_id = Generation.new_id()
 
@@ -214,6 +260,9 @@ def _text_chars(prompts: list[Any]) -> int:
         elif isinstance(prompt, _ChatPrompt):
             total += sum(len(str(m.get("content") or "")) for m in prompt.messages)
             total += sum(len(str(t.function.parameters or "")) for t in prompt.tools.tools)
+            total += len(prompt.fields.chat_template or "")
+            total += len(str(prompt.fields.chat_template_kwargs or ""))
+            total += len(str(prompt.fields.documents or ""))
         elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
             total += len(prompt["prompt"])
     return total
@@ -230,10 +279,10 @@ def _blamed_field(body: p.CompletionRequest | p.ChatCompletionRequest, message: 
 def _render(tokenizer: Tokenizer, inputs: InputProcessor, prompt: Any) -> Any:
     if not isinstance(prompt, _ChatPrompt):
         return prompt
-    messages, variables = template_inputs(prompt.messages, prompt.tools, tokenizer.chat_template)
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **variables)
+    text = render_chat(tokenizer, prompt.messages, prompt.fields, prompt.tools)
     inputs.check_text_length(text)
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    ids = tokenizer.encode(text, add_special_tokens=bool(prompt.fields.add_special_tokens))
+    return {"prompt": text, "prompt_token_ids": ids}
 
 
 async def _released(ticket: Ticket, events: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -26,11 +26,14 @@ from pydantic.json_schema import GenerateJsonSchema, JsonSchemaMode, models_json
 
 from corefleet.engine.coordinator.membership import RankMember
 from corefleet.engine.openai import protocol as p
+from corefleet.engine.openai.chat_render import chat_template_rules
 from corefleet.engine.openai.errors import SCHEMA_VALID_REFUSALS, ErrorResponse
 from corefleet.engine.openai.limits import RequestLimits
 from corefleet.engine.openai.openapi_admin import REF_TEMPLATE, Schema, hand_written_schemas
 from corefleet.engine.openai.openapi_admin import component_ref as _ref
+from corefleet.engine.openai.openapi_pooling import pooling_document
 from corefleet.engine.openai.openapi_structured import structured_output_rules
+from corefleet.engine.openai.openapi_utility import utility_paths, utility_schemas
 from corefleet.engine.openai.token_request import token_control_schemas
 
 __all__ = ["openapi_document", "served_openapi"]
@@ -136,6 +139,9 @@ def _sampling_rules(
             _int(props[name], maximum=max_model_len - 1)  # a prompt has at least one token
     props["stream_options"]["description"] = "only with stream: true"
     schema["allOf"] = [{"anyOf": [_absent_or_null("stream_options"), _is("stream", True)]}]
+    props["prompt_logprobs"]["description"] = "not with stream: true (0 or null then)"
+    no_prompt_logprobs = {"properties": {"prompt_logprobs": {"enum": [0, None]}}}
+    schema["allOf"].append({"anyOf": [no_prompt_logprobs, {"not": _is("stream", True)}]})
     schema["allOf"] += token_control_schemas(props, vocab, chat="messages" in props)
     structured_output_rules(schema)
 
@@ -185,7 +191,8 @@ def _completion_rules(
         prompts = {"type": "array", "maxItems": most}
         cases.append({"required": ["n"], "properties": {"n": n_range, "prompt": prompts}})
     rules.append({"anyOf": cases})
-    props["echo"] = _only([False, None], "not supported: only false or null")
+    props["max_tokens"]["description"] = "0 only with echo: true (the prompt alone)"
+    rules.append({"anyOf": [{"not": _is("max_tokens", 0)}, _is("echo", True)]})
     props["suffix"] = _only(["", None], "not supported: only an empty string or null")
     # The server takes best_of = n, but n > 1 would take a branch per n (and best_of is legacy).
     props["best_of"] = _only([1, None], "only equal to n (this document: 1, with n = 1)")
@@ -204,6 +211,7 @@ def _chat_rules(schema: Schema, messages: Schema) -> None:
     # Only an assistant turn may lack content.
     content = {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}}}
     messages["allOf"] = [{"anyOf": [_is("role", "assistant"), content]}]
+    chat_template_rules(schema)
 
 
 _TEXT: Schema = {"schema": {"type": "string"}}
@@ -313,6 +321,7 @@ def openapi_document(
     max_model_len: int | None = None,
     vocab_size: int | None = None,
     limits: RequestLimits | None = None,
+    tokenizer_info: bool = False,
 ) -> dict[str, Any]:
     """The API's OpenAPI 3.1 document, for these values (cached: treat it as read-only).
 
@@ -323,6 +332,7 @@ def openapi_document(
         max_model_len, vocab_size: the ranks' context length and vocabulary; None while no
             rank is ready (the bounds that depend on them are then left out).
         limits: the request limits, for the 408 and 413 descriptions.
+        tokenizer_info: ``GET /tokenizer_info`` is served (--enable-tokenizer-info-endpoint).
     """
     requests = _schemas([p.CompletionRequest, p.ChatCompletionRequest], "validation")
     models: list[type[BaseModel]] = [p.CompletionResponse, p.ChatCompletionResponse, p.ModelList]
@@ -331,7 +341,10 @@ def openapi_document(
         _sampling_rules(requests[name], model_name, max_n, max_model_len, vocab_size)
     _completion_rules(requests["CompletionRequest"], max_n, max_model_len, vocab_size)
     _chat_rules(requests["ChatCompletionRequest"], requests["ChatMessage"])
-    schemas = requests | responses | _stream_schemas(responses) | hand_written_schemas()
+    # The utility routes' schemas first: they share ChatMessage (and its tools) with the chat
+    # request, whose patched form must win.
+    utility = utility_schemas(model_name, vocab_size)
+    schemas = utility | requests | responses | _stream_schemas(responses) | hand_written_schemas()
     components = {"schemas": schemas, "responses": _responses(limits or RequestLimits())}
     if auth:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
@@ -341,20 +354,30 @@ def openapi_document(
         f"document is accepted, or refused {_REFUSALS}."
     )
     info = {"title": "corefleet", "version": _VERSION, "description": description}
-    return {"openapi": "3.1.0", "info": info, "paths": _paths(auth), "components": components}
+    paths = _paths(auth) | utility_paths(auth, tokenizer_info)
+    return {"openapi": "3.1.0", "info": info, "paths": paths, "components": components}
 
 
 def served_openapi(
-    model_name: str, auth: bool, max_n: int, limits: RequestLimits, ranks: Sequence[RankMember]
+    model_name: str,
+    auth: bool,
+    max_n: int,
+    limits: RequestLimits,
+    ranks: Sequence[RankMember],
+    tokenizer_info: bool = False,
 ) -> dict[str, Any]:
     """:func:`openapi_document` for the ranks serving now (the first's context and vocabulary,
     as the handlers use)."""
     info = ranks[0].info if ranks else None
-    return openapi_document(
+    document = openapi_document(
         model_name,
         auth=auth,
         max_n=max_n,
         max_model_len=info.max_model_len if info else None,
         vocab_size=info.vocab_size if info else None,
         limits=limits,
+        tokenizer_info=tokenizer_info,
     )
+    if info is not None and info.pooler is not None:  # --runner pooling
+        return pooling_document(document, auth)
+    return document

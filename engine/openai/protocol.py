@@ -8,7 +8,7 @@ own, and refusing them breaks clients). Nested objects ignore theirs. Known fiel
 are strict: ``"temperature": "0.5"`` or ``"stream": 1`` fail, as at OpenAI, instead of being
 coerced (an int is fine for a float, and ``5.0`` for an int: JSON does not tell them apart);
 ``null`` means the default. Known parameters we cannot
-honour (``echo``, ``suffix``, ``best_of`` != ``n``) get a 400:
+honour (``suffix``, ``best_of`` != ``n``) get a 400:
 ignoring them would silently change the answer. Ranges live in
 :meth:`SamplingParams.validate`; only OpenAI-specific bounds are declared here.
 """
@@ -28,6 +28,7 @@ from pydantic import (
 
 from corefleet.engine.messages import FinishReason, SamplingParams, StructuredOutputsParams
 from corefleet.engine.openai import limits
+from corefleet.engine.openai.chat_render import MAX_ROLE_CHARS, ChatTemplateFields
 from corefleet.engine.openai.errors import RequestError, error_from_sampling, unsupported
 from corefleet.engine.openai.response_models import (  # noqa: F401 (re-exported)
     ChatChoice,
@@ -46,12 +47,16 @@ from corefleet.engine.openai.response_models import (  # noqa: F401 (re-exported
     DeltaMessage,
     DeltaToolCall,
     FunctionCall,
+    Logprob,
     ModelCard,
     ModelList,
+    PromptLogprobs,
+    PromptTokenUsageInfo,
     TopLogprob,
     UsageInfo,
     random_id,
 )
+from corefleet.engine.openai.structured_options import StructuredOutputsConfig
 from corefleet.engine.openai.structured_request import GUIDED_FIELDS, structured_params
 from corefleet.engine.openai.token_request import (
     AllowedTokenIds,
@@ -96,6 +101,8 @@ class StreamOptions(BaseModel):
 
     model_config = _REQUEST_CONFIG
     include_usage: bool | None = False
+    # vLLM's: with include_usage, every chunk also carries the usage so far.
+    continuous_usage_stats: bool | None = False
 
 
 class TextContentPart(BaseModel):
@@ -107,10 +114,12 @@ class TextContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One conversation turn. ``developer`` is OpenAI's newer name for ``system``."""
+    """One conversation turn. ``developer`` is OpenAI's newer name for ``system``. Any other
+    role goes to the chat template as sent (vLLM's rule): the template decides which it knows
+    (SmolLM2's renders any; a strict one refuses with a 400)."""
 
     model_config = _REQUEST_CONFIG
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str = Field(min_length=1, max_length=MAX_ROLE_CHARS)
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
@@ -154,7 +163,7 @@ class _SamplingRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: list[StopString] | None = Field(default=None, max_length=limits.MAX_STOP_STRINGS)
-    seed: NonNegativeInt64 | None = None
+    seed: Int64 | None = None  # any 64-bit integer, -1 included, as at OpenAI and vLLM
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: LogitBias | None = None  # token id (a string) -> bias, clamped to [-100, 100]
@@ -174,6 +183,16 @@ class _SamplingRequest(BaseModel):
     allowed_token_ids: AllowedTokenIds | None = None
     bad_words: BadWords | None = None
     logprob_token_ids: LogprobTokenIds | None = None
+    # vLLM's: the logprob of every prompt token and its top-N (the first is null). A request
+    # with them computes its whole prompt: the prefix cache has no logits to give.
+    prompt_logprobs: Annotated[int, Field(ge=0, le=limits.MAX_TOP_LOGPROBS), _WHOLE] | None = None
+    # vLLM's: tokens in logprobs as "token_id:<id>" (None: --return-tokens-as-token-ids), and
+    # the prompt's and the answer's token ids in the response.
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    # vLLM's beam search (beam_api.py): n beams; length_penalty weighs length in the ranking.
+    use_beam_search: bool | None = False
+    length_penalty: float | None = None
     # Constrained output (structured_request.py): OpenAI's, then vLLM's two generations.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -194,9 +213,10 @@ class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: PositiveInt64 | None = 16  # explicit null: up to the context length, as vLLM
+    # Explicit null: up to the context length, as vLLM; 0 only with echo (the prompt alone).
+    max_tokens: NonNegativeInt64 | None = 16
     logprobs: Annotated[int, Field(ge=0, le=limits.MAX_COMPLETION_LOGPROBS), _WHOLE] | None = None
-    echo: bool | None = False
+    echo: bool | None = False  # the prompt before the completion (``echo.py``)
     suffix: str | None = None
     best_of: PositiveInt64 | None = None
 
@@ -225,8 +245,8 @@ class CompletionRequest(_SamplingRequest):
         return [x if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in items]
 
 
-class ChatCompletionRequest(_SamplingRequest):
-    """``POST /v1/chat/completions``."""
+class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
+    """``POST /v1/chat/completions``; the chat-template fields are in ``chat_render``."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=limits.MAX_MESSAGES)
     # max_tokens is deprecated at OpenAI in favour of max_completion_tokens.
@@ -237,6 +257,9 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ToolDefinition] | None = Field(default=None, max_length=limits.MAX_TOOLS)
     tool_choice: ToolChoice | None = None  # None: auto with tools, none without (tool_request)
     parallel_tool_calls: bool | None = None
+    # vLLM's: the answer starts with the last message's content when that message has the
+    # answer's role (an assistant message the model continues, with continue_final_message).
+    echo: bool | None = False
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages for ``Tokenizer.apply_chat_template``: content as one string
@@ -247,6 +270,17 @@ class ChatCompletionRequest(_SamplingRequest):
             RequestError: a call's arguments are not a JSON object.
         """
         return [_template_message(m) for m in self.messages]
+
+    def response_role(self) -> str:
+        """The answer's role (vLLM's): the assistant's when a new turn is opened for it, else
+        the last message's, which the model goes on writing."""
+        return "assistant" if self.opens_turn() else self.messages[-1].role
+
+    def echoed_text(self) -> str:
+        """What ``echo`` puts before the answer: the last message's content when it has the
+        answer's role, else nothing."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == self.response_role() else ""
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:
@@ -279,9 +313,11 @@ def to_sampling_params(
     request: CompletionRequest | ChatCompletionRequest,
     vocab_size: int | None = None,
     tools: StructuredOutputsParams | None = None,
+    output_config: StructuredOutputsConfig | None = None,
 ) -> SamplingParams:
     """The engine's :class:`SamplingParams` for ``request``, validated. ``tools``: the
-    constraint of its ``tool_choice`` (``tool_request.ToolPlan.constraint``).
+    constraint of its ``tool_choice`` (``tool_request.ToolPlan.constraint``); ``output_config``:
+    the server's ``--structured-outputs-config`` (None: its defaults).
 
     Raises:
         RequestError: 400 naming the request field (``top_logprobs``, not the engine's
@@ -299,13 +335,24 @@ def to_sampling_params(
             max_tokens = request.max_completion_tokens
             renamed["max_tokens"] = "max_completion_tokens"
     else:
-        if request.echo:
-            raise unsupported("echo", "echo=true")
+        if request.max_tokens == 0 and not request.echo:
+            raise RequestError("max_tokens=0 requires echo=true", param="max_tokens")
         if request.suffix:
             raise unsupported("suffix", "suffix")
         if request.best_of is not None and request.best_of != (request.n or 1):
             raise unsupported("best_of", "best_of other than n")
         logprobs, max_tokens = request.logprobs, request.max_tokens
+        if request.echo and max_tokens == 0:
+            max_tokens = 1  # as vLLM: one engine step, its token dropped (``echo.py``)
+    prompt_logprobs = request.prompt_logprobs
+    if request.stream:  # as vLLM: a stream has no place for them (0, asking for none, passes)
+        if prompt_logprobs:
+            raise RequestError(
+                "prompt_logprobs are not available when stream=true", param="prompt_logprobs"
+            )
+        prompt_logprobs = None
+    if isinstance(request, CompletionRequest) and request.echo and prompt_logprobs is None:
+        prompt_logprobs = logprobs  # as vLLM: the echoed prompt gets logprobs like the rest
     if request.stream_options is not None and not request.stream:
         raise RequestError("stream_options requires stream=true", param="stream_options")
     # Same names on both sides; a null leaves SamplingParams' (vLLM's) default.
@@ -313,7 +360,12 @@ def to_sampling_params(
     guided = {k: getattr(request, k) for k in GUIDED_FIELDS if getattr(request, k) is not None}
     free_end = {"ignore_eos": request.ignore_eos, "min_tokens": request.min_tokens}
     structured = structured_params(
-        request.response_format, request.structured_outputs, guided, free_end, tools
+        request.response_format,
+        request.structured_outputs,
+        guided,
+        free_end,
+        tools,
+        output_config or StructuredOutputsConfig(),
     )
     logprobs, controls = token_controls(request, logprobs)
     params = SamplingParams(
@@ -324,6 +376,7 @@ def to_sampling_params(
         stop_token_ids=list(request.stop_token_ids or []),
         logprobs=logprobs,
         structured_outputs=structured,
+        prompt_logprobs=prompt_logprobs,
     )
     try:
         params.validate(vocab_size)

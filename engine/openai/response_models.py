@@ -13,7 +13,14 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 # OpenAI's "extremely unlikely": JSON has no -inf (pydantic writes null, the client refuses it).
 _MIN_LOGPROB = -9999.0
@@ -28,12 +35,30 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+class PromptTokenUsageInfo(BaseModel):
+    """``usage.prompt_tokens_details``: the prompt tokens the prefix cache served."""
+
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
-    """Token counts of a request (all ``n`` completions together)."""
+    """Token counts of a request (all ``n`` completions together). ``prompt_tokens_details``
+    only with ``--enable-prompt-tokens-details`` (as vLLM), left out otherwise."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
+
+    # No return annotation on purpose: pydantic would take it for the serialization schema,
+    # and /openapi.json would lose the fields of UsageInfo.
+    @model_serializer(mode="wrap")
+    def _without_null_details(self, handler: SerializerFunctionWrapHandler):  # type: ignore[no-untyped-def]
+        # vLLM leaves the key out rather than sending null when the flag is off.
+        data: dict[str, Any] = handler(self)
+        if data.get("prompt_tokens_details", 0) is None:
+            del data["prompt_tokens_details"]
+        return data
 
     @model_validator(mode="after")
     def _total(self) -> UsageInfo:  # derived, so it can never disagree
@@ -58,6 +83,23 @@ class CompletionLogprobs(BaseModel):
         ]
 
 
+class Logprob(BaseModel):
+    """vLLM's prompt logprob entry: a candidate's logprob, its rank (1 = most likely) and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+    @field_validator("logprob")
+    @classmethod
+    def _clamp(cls, value: float) -> float:
+        return _finite(value)
+
+
+# ``prompt_logprobs``: per prompt token (the first null) its id and the top-N ids -> Logprob.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
 class CompletionChoice(BaseModel):
     """One completion; ``stop_reason`` (vLLM's extra) is the stop string or token id."""
 
@@ -66,6 +108,11 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, with prompt_logprobs or echo
+    # With return_token_ids (vLLM's): the prompt's ids (a stream's first chunk of the
+    # choice) and the generated ids (a stream: each chunk's own).
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -130,9 +177,10 @@ class ChatToolCall(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    """The assistant's answer: text, calls of tools, or both (``content`` null without text)."""
+    """The assistant's answer: text, calls of tools, or both (``content`` null without text).
+    ``role`` is the last message's when the request set ``add_generation_prompt`` false."""
 
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"
     content: str | None = None
     tool_calls: list[ChatToolCall] | None = None
 
@@ -145,6 +193,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: the generated ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -156,6 +205,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: the rendered prompt's
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's: one list for every choice
 
 
 class DeltaFunctionCall(BaseModel):
@@ -179,7 +230,7 @@ class DeltaMessage(BaseModel):
     """What a chunk adds: ``role`` in the first chunk of a choice, then ``content`` pieces or
     pieces of ``tool_calls``."""
 
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
@@ -192,6 +243,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: this chunk's generated ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -204,16 +256,39 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: in the first chunk
+
+
+class ModelPermission(BaseModel):
+    """vLLM's permission entry of a model card: fixed values, as vLLM sends them."""
+
+    id: str = Field(default_factory=lambda: random_id("modelperm"))
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
 
 
 class ModelCard(BaseModel):
-    """An entry of ``GET /v1/models``; ``max_model_len`` is vLLM's extra."""
+    """An entry of ``GET /v1/models`` (and ``GET /v1/models/{model}``), as vLLM's: ``root``
+    is the model as ``--model`` named it, ``parent`` None for a base model, ``max_model_len``
+    the ranks' context (None while no rank is ready)."""
 
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "corefleet"
+    owned_by: str = "vllm"  # vLLM's value: clients written for vLLM may compare it
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):

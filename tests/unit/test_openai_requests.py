@@ -88,6 +88,20 @@ def test_chat_max_tokens_and_logprobs_mapping() -> None:
     assert chat(logprobs=False).logprobs is None
 
 
+def test_echo_and_prompt_logprobs_mapping() -> None:
+    # As vLLM: echo's prompt gets logprobs like the answer, unless prompt_logprobs says.
+    assert completion(echo=True, logprobs=3).prompt_logprobs == 3
+    assert completion(echo=True, logprobs=3, prompt_logprobs=1).prompt_logprobs == 1
+    assert completion(echo=True).prompt_logprobs is None
+    assert completion(logprobs=3).prompt_logprobs is None  # no echo: no prompt scoring
+    assert chat(prompt_logprobs=5).prompt_logprobs == 5
+    # max_tokens 0 with echo: the engine runs one token, which the answer drops.
+    assert completion(echo=True, max_tokens=0).max_tokens == 1
+    # A stream carries no prompt_logprobs: 0 (asking for none) is accepted and computes none.
+    assert completion(prompt_logprobs=0, stream=True).prompt_logprobs is None
+    assert completion(echo=True, logprobs=2, stream=True).prompt_logprobs == 2
+
+
 def test_unknown_fields_are_set_aside_but_known_fields_are_strict() -> None:
     # Set aside for extra_fields.check_extra_fields (test_extra_fields.py), never validated.
     request = parse_request(ChatCompletionRequest, {**CHAT, "metadata": {"x": 1}, "foo": 2})
@@ -162,12 +176,21 @@ def test_completion_prompt_forms(prompt: Any, inputs: list[Any]) -> None:
         ),
         (CompletionRequest, {**COMPLETION, "guided_regex": 5}, "guided_regex"),
         (ChatCompletionRequest, {**CHAT, "logit_bias": {"one": 5.0}}, "logit_bias"),
-        (ChatCompletionRequest, {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        (ChatCompletionRequest, {"messages": [{"role": "", "content": "x"}]}, "messages"),
         (ChatCompletionRequest, {"messages": [{"role": "user"}]}, "messages"),
         (CompletionRequest, {**COMPLETION, "max_tokens": 0}, "max_tokens"),
         (CompletionRequest, {**COMPLETION, "logprobs": 6}, "logprobs"),
         (CompletionRequest, {**COMPLETION, "logprobs": -1}, "logprobs"),
-        (CompletionRequest, {**COMPLETION, "echo": True}, "echo"),
+        (CompletionRequest, {**COMPLETION, "max_tokens": 0, "echo": False}, "max_tokens"),
+        (CompletionRequest, {**COMPLETION, "prompt_logprobs": 21}, "prompt_logprobs"),
+        (CompletionRequest, {**COMPLETION, "prompt_logprobs": 10**12}, "prompt_logprobs"),
+        (CompletionRequest, {**COMPLETION, "prompt_logprobs": -1}, "prompt_logprobs"),
+        (
+            CompletionRequest,
+            {**COMPLETION, "prompt_logprobs": 1, "stream": True},
+            "prompt_logprobs",
+        ),
+        (ChatCompletionRequest, {**CHAT, "prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
         (CompletionRequest, {**COMPLETION, "suffix": "x"}, "suffix"),
         (CompletionRequest, {**COMPLETION, "best_of": 3}, "best_of"),
         (CompletionRequest, {**COMPLETION, "presence_penalty": 3}, "presence_penalty"),
@@ -193,7 +216,7 @@ def test_range_errors_mention_the_request_field() -> None:
     assert error.param == "max_completion_tokens" and "greater than or equal to 1" in error.message
     error = refused(ChatCompletionRequest, {**CHAT, "logprobs": True, "top_logprobs": 21})
     assert error.param == "top_logprobs"
-    assert "echo" in refused(CompletionRequest, {**COMPLETION, "echo": True}).message
+    assert "echo" in refused(CompletionRequest, {**COMPLETION, "max_tokens": 0}).message
 
 
 def test_malformed_bodies() -> None:
