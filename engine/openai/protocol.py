@@ -353,6 +353,9 @@ def to_sampling_params(
         prompt_logprobs = None
     if isinstance(request, CompletionRequest) and request.echo and prompt_logprobs is None:
         prompt_logprobs = logprobs  # as vLLM: the echoed prompt gets logprobs like the rest
+    if isinstance(request, ChatCompletionRequest) and request.echo and prompt_logprobs is None:
+        # vLLM's chat echo: the prompt's logprobs too, top_logprobs of them (never streamed).
+        prompt_logprobs = None if request.stream else request.top_logprobs
     if request.stream_options is not None and not request.stream:
         raise RequestError("stream_options requires stream=true", param="stream_options")
     # Same names on both sides; a null leaves SamplingParams' (vLLM's) default.

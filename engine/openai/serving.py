@@ -37,6 +37,8 @@ class ChoiceDelta:
     # On the finishing delta: the choice's whole text. A stop string can end inside text that
     # was already streamed; a non-streamed response uses this, not the sum of the deltas.
     full_text: str | None = None
+    # On a choice's first delta, with prompt_logprobs: its prompt's (the first entry None).
+    prompt_logprobs: list[dict[int, TokenLogprob] | None] | None = None
 
 
 class OutputObserver(Protocol):
@@ -71,12 +73,14 @@ class Generation:
         request_id: str,
     ) -> None:
         self.fleet = fleet
+        self.inputs = inputs
         self.params = params
         self._stop_holdback = max((len(s) for s in params.stop), default=1) - 1
         self.processor = OutputProcessor(tokenizer)
         self.processed: list[ProcessedPrompt] = [inputs.process_prompt(p) for p in prompts]
         self.engine_requests: list[EngineCoreRequest] = []
         self._choice: dict[str, tuple[str, int, int]] = {}  # engine id -> parent, sample, choice
+        self._cached: dict[str, int] = {}  # engine id -> its prompt tokens found cached
         self.observer: OutputObserver | None = None  # set before deltas() to watch outputs
         for p_index, prompt in enumerate(self.processed):
             parent = f"{request_id}-{p_index}"
@@ -96,9 +100,22 @@ class Generation:
     def num_prompt_tokens(self) -> int:
         return sum(len(p.prompt_token_ids) for p in self.processed)
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache served, each prompt counted once (as prompt_tokens):
+        the most any of its samples reported."""
+        by_prompt: dict[str, int] = {}
+        for engine_id, (parent, _, _) in self._choice.items():
+            by_prompt[parent] = max(by_prompt.get(parent, 0), self._cached.get(engine_id, 0))
+        return sum(by_prompt.values())
+
     def parent_of(self, engine_id: str) -> str:
         """The prompt (vLLM's parent request) an engine request is a sample of."""
         return self._choice[engine_id][0]
+
+    def prompt_token_ids(self, choice: int) -> list[int]:
+        """The token ids of the prompt choice ``choice`` answers."""
+        return self.processed[choice // self.params.n].prompt_token_ids
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Every change of every choice until all are finished; aborts the rest if stopped."""
@@ -158,6 +175,7 @@ class Generation:
         if parent is None:
             return None
         completion = parent.outputs[sample]
+        self._cached[engine_id] = parent.num_cached_tokens
         # Hold back the last characters that could still be the start of a stop string: once
         # streamed, text cannot be taken back when the stop string completes in a later token.
         end = len(completion.text)
@@ -168,6 +186,8 @@ class Generation:
         tokens = completion.token_ids[state.tokens :] if text or completion.finished else []
         rows = (completion.logprobs or [])[state.tokens : state.tokens + len(tokens)]
         delta = ChoiceDelta(choice, text, tokens, rows)
+        if state.tokens == 0:  # nothing of this choice went out yet: this delta may be first
+            delta.prompt_logprobs = parent.prompt_logprobs
         state.text = end
         state.tokens += len(tokens)
         if completion.finished:
