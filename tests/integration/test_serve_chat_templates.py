@@ -81,6 +81,13 @@ def test_echo_prepends_the_continued_message(client: openai.OpenAI, base: str) -
     deltas = sse_deltas(base, body | CONTINUE | GREEDY)
     assert deltas[0] == {"role": "assistant", "content": PARTIAL["content"]}
     assert "".join(d.get("content") or "" for d in deltas) == PARTIAL["content"] + answer
+    # With logprobs, echo also returns the prompt's (vLLM's), top_logprobs of them per token.
+    with_logprobs = chat(
+        client, [QUESTION, PARTIAL], echo=True, logprobs=True, top_logprobs=2, **CONTINUE
+    )
+    prompt_logprobs = with_logprobs.model_extra["prompt_logprobs"]
+    assert len(prompt_logprobs) == with_logprobs.usage.prompt_tokens
+    assert prompt_logprobs[0] is None and all(2 <= len(p) <= 3 for p in prompt_logprobs[1:])
     # After a user message a new assistant turn starts: nothing of the question is echoed.
     fresh = chat(client, [QUESTION], echo=True).choices[0].message.content
     assert fresh == chat(client, [QUESTION]).choices[0].message.content
