@@ -72,6 +72,10 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     type stays a string); ``json_object`` asks for any JSON object; ``regex``, ``choice`` (one
     of these strings), ``grammar`` (Lark or GBNF/EBNF) and ``structural_tag`` (llguidance's
     structural tag JSON) as their names say.
+
+    ``disable_additional_properties`` (vLLM's option, not a constraint): a ``json`` schema's
+    objects allow only the properties they declare unless they say ``additionalProperties``,
+    as vLLM's default backend (xgrammar, strict mode) compiles them. None: the default, True.
     """
 
     json: str | None = None
@@ -80,6 +84,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | None = None
+    disable_additional_properties: bool | None = None
 
     def __post_init__(self) -> None:
         # A caller may pass the schema as a dict (as vLLM allows): the wire carries a string.

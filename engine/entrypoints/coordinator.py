@@ -35,6 +35,7 @@ from corefleet.engine.openai.generation_api import GenerationApi
 from corefleet.engine.openai.limits import RequestLimits
 from corefleet.engine.openai.metrics import ServingMetrics
 from corefleet.engine.openai.server_state import ServerState
+from corefleet.engine.openai.structured_options import StructuredOutputsConfig
 from corefleet.engine.openai.tool_options import ToolOptions
 from corefleet.engine.transport.sockets import load_curve_keys
 
@@ -60,6 +61,7 @@ class CoordinatorOptions:
     api_keys: tuple[str, ...] = ()  # empty: the API is open
     limits: RequestLimits = field(default_factory=RequestLimits)
     tools: ToolOptions = field(default_factory=ToolOptions)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     max_migrations: int = 2
     heartbeat_timeout_s: float = 10.0
     shutdown_timeout_s: float = 30.0
@@ -119,6 +121,7 @@ async def run(
         ServingMetrics(fleet, model_name),
         options.limits,
         options.tools,
+        structured_outputs=options.structured_outputs,
     )
     api = GenerationApi(state)
     config = uvicorn_config(

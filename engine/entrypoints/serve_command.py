@@ -11,6 +11,7 @@ from corefleet.engine.entrypoints.coordinator import CoordinatorOptions, run
 from corefleet.engine.entrypoints.local_ranks import LocalRanks
 from corefleet.engine.entrypoints.rank_cpus import plan_from_args
 from corefleet.engine.openai.limits import limits_from_args
+from corefleet.engine.openai.structured_options import structured_outputs_config_from_args
 from corefleet.engine.openai.tool_options import tool_options_from_args
 
 MAX_API_SERVERS = 64  # each is a process of a few hundred MB; more is a typo, not a plan
@@ -22,6 +23,7 @@ def serve_command(args: argparse.Namespace) -> int:
     api_keys = tuple(args.api_key or ()) or envs.api_keys()
     limits = limits_from_args(args)
     tools = tool_options_from_args(args)
+    structured_outputs = structured_outputs_config_from_args(args)
     if args.command == "coordinator":
         options = CoordinatorOptions(
             model=args.model,
@@ -35,6 +37,7 @@ def serve_command(args: argparse.Namespace) -> int:
             api_keys=api_keys,
             limits=limits,
             tools=tools,
+            structured_outputs=structured_outputs,
             max_migrations=args.max_migrations,
             shutdown_timeout_s=args.shutdown_timeout,
             shutdown_delay_s=args.shutdown_delay,
@@ -60,6 +63,7 @@ def serve_command(args: argparse.Namespace) -> int:
         api_keys=api_keys,
         limits=limits,
         tools=tools,
+        structured_outputs=structured_outputs,
         max_migrations=args.max_migrations,
         shutdown_timeout_s=args.shutdown_timeout,
     )

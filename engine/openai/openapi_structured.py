@@ -33,10 +33,21 @@ _STRUCTURED_KINDS: dict[str, Schema] = {
 }
 
 
+# vLLM's per-request override of --structured-outputs-config's option (structured_options).
+_OPTIONS: dict[str, Schema] = {
+    "disable_additional_properties": {
+        "type": ["boolean", "null"],
+        "description": "true (the server's default unless --structured-outputs-config says "
+        "otherwise): a JSON schema's objects allow only the properties they declare, unless "
+        "they say additionalProperties; false: any other key is allowed",
+    },
+}
+
+
 def _one_key(name: str, value: Schema) -> Schema:
     return {
         "type": "object",
-        "properties": {name: value},
+        "properties": {name: value, **_OPTIONS},
         "required": [name],
         "additionalProperties": False,
     }
@@ -71,7 +82,7 @@ def structured_output_rules(schema: Schema) -> None:
     props = schema["properties"]
     props["response_format"] = _response_format()
     props["structured_outputs"] = {
-        "description": "vLLM's form: exactly one key",
+        "description": "vLLM's form: exactly one constraint key, and options",
         "anyOf": [_NULL, *(_one_key(k, v) for k, v in _STRUCTURED_KINDS.items())],
     }
     for name, value in _GUIDED.items():

@@ -16,6 +16,11 @@ answer's ``tool_calls`` are read back from it in one of three ways (``make_extra
   output being cut by ``max_tokens``), the rest of the raw text is content; calls already
   released stay calls. The whole-text reading is the same, so the two always agree.
 
+A text cut short by ``max_tokens`` (``finish(cut=True)``) ends with no partial call: what was
+still held as the beginning of a call that never completed is dropped, neither a call nor
+content (as vLLM and OpenAI answer ``finish_reason: "length"``); calls completed before the cut
+stay calls.
+
 Every format accepts ``arguments`` and ``parameters`` alike, arguments given as a JSON string
 holding an object, and missing arguments (``{}``). ``ToolCall.arguments`` is the object written
 back with ``json.dumps(..., ensure_ascii=False)``.
@@ -57,8 +62,9 @@ class ToolCallExtractor(ABC):
         """The pieces that the next text delta makes certain (never retracted later)."""
 
     @abstractmethod
-    def finish(self) -> list[Piece]:
-        """Generation ended: the pieces held back until now."""
+    def finish(self, cut: bool = False) -> list[Piece]:
+        """Generation ended: the pieces held back until now. ``cut``: it ended at
+        ``max_tokens``, so a call still incomplete is dropped rather than read as content."""
 
 
 def make_extractor(mode: str) -> ToolCallExtractor:
@@ -78,18 +84,19 @@ def make_extractor(mode: str) -> ToolCallExtractor:
     return extractors[mode]()
 
 
-def extract_all(mode: str, text: str) -> tuple[str | None, list[ToolCall]]:
+def extract_all(mode: str, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
     """The whole ``text`` at once, read as the extractor of ``mode`` reads it streamed:
-    ``(content, calls)``. ``content`` is None when there are calls and it is only whitespace.
+    ``(content, calls)``. ``content`` is None when there are calls and it is only whitespace,
+    or when the text was ``cut`` by ``max_tokens`` and nothing of it is content.
 
     Raises:
         ValueError: an unknown mode.
     """
     extractor = make_extractor(mode)
-    pieces = extractor.feed(text) + extractor.finish()
+    pieces = extractor.feed(text) + extractor.finish(cut)
     content = "".join(piece for piece in pieces if isinstance(piece, str))
     calls = [piece for piece in pieces if isinstance(piece, ToolCall)]
-    if calls and not content.strip():
+    if (calls and not content.strip()) or (cut and not content):
         return None, calls
     return content, calls
 
@@ -167,13 +174,15 @@ class _Hermes(ToolCallExtractor):
             text = self._outside(text, out) if self._block is None else self._inside(text, out)
         return out
 
-    def finish(self) -> list[Piece]:
-        """See :meth:`ToolCallExtractor.finish`; a block still open is read as if closed."""
+    def finish(self, cut: bool = False) -> list[Piece]:
+        """See :meth:`ToolCallExtractor.finish`; a block still open is read as if closed (when
+        ``cut``, one that holds no valid call is dropped, as is a held start of ``OPEN``)."""
         out: list[Piece] = []
         if self._block is not None:
             inner = "".join(self._block)
-            out.extend(self._read_block(inner, self.OPEN + inner))
-        elif self._held:
+            pieces = self._read_block(inner, self.OPEN + inner)
+            out.extend(p for p in pieces if not (cut and isinstance(p, str)))
+        elif self._held and not cut:
             out.append(self._held)
         self._held, self._block = "", None
         return out
@@ -240,13 +249,14 @@ class _Llama3Json(ToolCallExtractor):
                 return [held] if held else []
         return []
 
-    def finish(self) -> list[Piece]:
-        """See :meth:`ToolCallExtractor.finish`: the held text's calls, or the text itself."""
+    def finish(self, cut: bool = False) -> list[Piece]:
+        """See :meth:`ToolCallExtractor.finish`: the held text's calls, or the text itself
+        (nothing when ``cut``: the held text began like a call)."""
         text, self._held = "".join(self._held), []
         calls = self._parse(text)
         if calls is not None:
             return list(calls)
-        return [text] if text else []
+        return [text] if text and not cut else []
 
     def _parse(self, text: str) -> list[ToolCall] | None:
         """The calls of ``{...}; {...}`` (a trailing ``;`` allowed); None unless all are."""
@@ -328,13 +338,13 @@ class _RequiredArray(ToolCallExtractor):
         self._pending_len += len(text) - kept
         return out
 
-    def finish(self) -> list[Piece]:
+    def finish(self, cut: bool = False) -> list[Piece]:
         """See :meth:`ToolCallExtractor.finish`: unless the array closed, the raw text after
-        the last call released is content."""
+        the last call released is content (dropped when ``cut``: a call cut short)."""
         rest = "".join(self._pending)
         complete = self._state in (self.DONE, self.FAILED)
         self._pending, self._pending_len = [], 0
-        return [rest] if rest and not complete else []
+        return [rest] if rest and not complete and not cut else []
 
     def _scan_element(self, text: str, pos: int) -> int:
         """Follow strings and brackets from ``pos`` until the element closes or ``text`` ends;

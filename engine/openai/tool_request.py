@@ -31,6 +31,7 @@ from corefleet.engine.messages import StructuredOutputsParams
 from corefleet.engine.openai.errors import INVALID_TOOL_CHOICE, RequestError
 from corefleet.engine.openai.structured_request import json_constraint
 from corefleet.engine.openai.tool_options import ToolOptions
+from corefleet.engine.structured_output.schema_rewrite import relocate
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 # OpenAI's rule for a function's name: it is written into prompts and read back by parsers.
@@ -162,20 +163,35 @@ def _bad_choice(message: str) -> RequestError:
 
 
 def _calls_schema(tools: list[ToolDefinition], parallel: bool) -> dict[str, Any]:
-    """A JSON array of calls, each naming one of ``tools`` with arguments in its schema."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": t.function.name},
-                "arguments": t.function.parameters or {"type": "object"},
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
+    """A JSON array of calls, each naming one of ``tools`` with arguments in its schema.
+
+    Each tool's ``$defs``/``definitions`` (pydantic writes one per nested model) are hoisted
+    to the root under names of that tool alone, and its ``$ref``s follow (``relocate``):
+    nested under ``items.anyOf[i]``, its own pointers would no longer resolve.
+
+    Raises:
+        RequestError: a ``parameters`` schema nested too deeply to rewrite.
+    """
+    calls = []
+    defs: dict[str, Any] = {}
+    for i, tool in enumerate(tools):
+        name = tool.function.name
+        at = f"/items/anyOf/{i}/properties/arguments"
+        try:
+            arguments, own = relocate(tool.function.parameters or {"type": "object"}, name, at)
+        except RecursionError:
+            raise RequestError("tools: parameters nested too deeply", param="tools") from None
+        defs |= own
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": arguments},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    schema |= {"$defs": defs} if defs else {}
     return schema | ({} if parallel else {"maxItems": 1})
 
 

@@ -5,6 +5,10 @@ about 1 ms (xgrammar in about 4, with a worst case of 25) and needs no other pac
 fills a mask faster, but both are far below a forward pass. This module needs no tokenizer and
 no torch, so the coordinator uses it to refuse a bad grammar with a 400 before anything is
 queued; the engine compiles the same text against its tokenizer (``manager``).
+
+A JSON schema is compiled closed by default (``disable_additional_properties``, see
+``schema_rewrite.close_objects``): the option is part of the grammar's key, so the engine's
+cache never hands a request the grammar of the other setting.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark, is_lark_syntax
 
 from corefleet.engine.messages import StructuredOutputsParams
+from corefleet.engine.structured_output.schema_rewrite import close_objects
 
 # llguidance converts GBNF to Lark in Python, in time that grows with the square of the rules
 # (~200 ms at 10 KB, 2.3 s at 42 KB): a GBNF grammar is bounded tighter than a Lark one.
@@ -30,20 +35,29 @@ _JSON_OPTIONS: dict[str, object] = {
 }
 
 
-def grammar_key(params: StructuredOutputsParams) -> tuple[str, str]:
-    """The cache key of a request's grammar: ``(kind, text)``; ``ValueError`` if malformed."""
-    return params.kind()
+GrammarKey = tuple[str, str, bool]  # (kind, text, disable_additional_properties)
 
 
-def to_llguidance(kind: str, text: str) -> str:
+def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
+    """The cache key of a request's grammar: ``(kind, text, closed)``, where ``closed`` is
+    ``disable_additional_properties`` (default True); ``ValueError`` if malformed."""
+    kind, text = params.kind()
+    return kind, text, params.disable_additional_properties is not False
+
+
+def to_llguidance(kind: str, text: str, closed: bool = True) -> str:
     """The llguidance grammar for ``(kind, text)``; ``ValueError`` naming the field if the
-    text cannot even be read (an invalid schema is found by :func:`check_grammar`)."""
+    text cannot even be read (an invalid schema is found by :func:`check_grammar`).
+    ``closed``: a JSON schema's objects allow only their declared properties unless they say
+    otherwise (``close_objects``)."""
     field = f"structured_outputs.{kind}"
     try:
         if kind == "json":
             schema = json.loads(text)
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be an object")
+            if closed:
+                schema = close_objects(schema)
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema(
@@ -91,8 +105,8 @@ def check_grammar(params: StructuredOutputsParams) -> None:
     Runs without a tokenizer (a syntax and schema check, about a millisecond), so a frontend
     refuses the request before it is queued.
     """
-    kind, text = grammar_key(params)
-    grammar = to_llguidance(kind, text)
+    kind, text, closed = grammar_key(params)
+    grammar = to_llguidance(kind, text, closed)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         raise ValueError(f"invalid structured_outputs.{kind}: {messages[0] if messages else ''}")

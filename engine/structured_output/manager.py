@@ -20,7 +20,7 @@ import llguidance
 import numpy as np
 
 from corefleet.engine.messages import StructuredOutputsParams
-from corefleet.engine.structured_output.grammars import grammar_key, to_llguidance
+from corefleet.engine.structured_output.grammars import GrammarKey, grammar_key, to_llguidance
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class StructuredOutputManager:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._cache: OrderedDict[GrammarKey, llguidance.LLMatcher] = OrderedDict()
         self._cache_lock = threading.Lock()
         self.words = (vocab_size + 31) // 32  # int32 words per mask row
 
@@ -72,7 +72,7 @@ class StructuredOutputManager:
             )
         return self._pool.submit(self._compile, key)
 
-    def _compile(self, key: tuple[str, str]) -> llguidance.LLMatcher:
+    def _compile(self, key: GrammarKey) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), to_llguidance(*key), log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid structured_outputs.{key[0]}: {matcher.get_error()}")

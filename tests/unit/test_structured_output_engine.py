@@ -3,7 +3,9 @@ WAITING_FOR_FSM (a request waits for its compile without holding up the queue)."
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import Future
+from typing import Any
 
 import pytest
 
@@ -63,6 +65,32 @@ def test_compiled_grammars_are_cached_and_each_request_has_its_own_matcher(
     # The second matcher is still at the start: it allows a first digit, not EOS.
     allowed = ~manager.grammar_bitmask([one, two])
     assert not allowed[1][tokenizer.eos_token_id] and allowed[0].any() and allowed[1].any()
+
+
+def _allows_another_key(matcher: Any, manager: StructuredOutputManager, tok: Tokenizer) -> bool:
+    """Whether, after ``{"a": 1``, the matcher allows a token that starts another key."""
+    for token in tok.encode('{"a": 1', add_special_tokens=False):
+        assert matcher.consume_token(token)
+    allowed = (~manager.grammar_bitmask([matcher]))[0].nonzero()[0]
+    texts = {tok.decode([int(t)], skip_special_tokens=False) for t in allowed}
+    return any(t.lstrip().startswith(",") for t in texts)
+
+
+def test_json_objects_are_closed_by_default_and_the_cache_keeps_both_settings_apart(
+    manager: StructuredOutputManager, tokenizer: Tokenizer
+) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    closed = StructuredOutputsParams(json=json.dumps(schema))  # the default: vLLM's strict
+    assert not _allows_another_key(manager.grammar_init(closed).result(60), manager, tokenizer)
+    # Same text, the option off: compiled anew (a cache keyed on the text alone would hand
+    # back the closed grammar), and JSON Schema's letter allows undeclared keys.
+    loose = StructuredOutputsParams(json=json.dumps(schema), disable_additional_properties=False)
+    assert _allows_another_key(manager.grammar_init(loose).result(60), manager, tokenizer)
+    assert not _allows_another_key(manager.grammar_init(closed).result(60), manager, tokenizer)
+    # An explicit additionalProperties is honoured either way.
+    open_schema = schema | {"additionalProperties": {"type": "integer"}}
+    explicit = StructuredOutputsParams(json=json.dumps(open_schema))
+    assert _allows_another_key(manager.grammar_init(explicit).result(60), manager, tokenizer)
 
 
 def test_a_grammar_that_fails_against_the_tokenizer_is_a_grammar_error(

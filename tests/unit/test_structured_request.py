@@ -15,12 +15,18 @@ from corefleet.engine.openai.protocol import (
     CompletionRequest,
     to_sampling_params,
 )
+from corefleet.engine.openai.structured_options import (
+    StructuredOutputsConfig,
+    parse_structured_outputs_config,
+)
 from corefleet.engine.openai.structured_request import check_constraint
 from corefleet.engine.structured_output.grammars import MAX_GBNF_CHARS
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION: dict[str, Any] = {"model": "m", "prompt": "x"}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+# A JSON schema's objects are closed by default (vLLM's xgrammar): the params say so.
+CLOSED = StructuredOutputsParams(json=json.dumps(SCHEMA), disable_additional_properties=True)
 
 
 def _params(body: dict[str, Any], chat: bool = True) -> SamplingParams:
@@ -45,13 +51,13 @@ def _refused(body: dict[str, Any], chat: bool = True) -> RequestError:
         (
             "response_format",
             {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}},
-            StructuredOutputsParams(json=json.dumps(SCHEMA)),
+            CLOSED,
         ),
         ("response_format", {"type": "json_object"}, StructuredOutputsParams(json_object=True)),
         ("structured_outputs", {"regex": "[0-9]+"}, StructuredOutputsParams(regex="[0-9]+")),
         ("structured_outputs", {"choice": ["a", "b"]}, StructuredOutputsParams(choice=["a", "b"])),
-        ("structured_outputs", {"json": SCHEMA}, StructuredOutputsParams(json=json.dumps(SCHEMA))),
-        ("guided_json", SCHEMA, StructuredOutputsParams(json=json.dumps(SCHEMA))),
+        ("structured_outputs", {"json": SCHEMA}, CLOSED),
+        ("guided_json", SCHEMA, CLOSED),
         ("guided_regex", "a|b", StructuredOutputsParams(regex="a|b")),
         ("guided_choice", ["yes", "no"], StructuredOutputsParams(choice=["yes", "no"])),
         ("guided_grammar", 'root ::= "a" "b"', StructuredOutputsParams(grammar='root ::= "a" "b"')),
@@ -119,3 +125,53 @@ def test_a_long_gbnf_grammar_is_refused_but_lark_of_the_same_length_is_not() -> 
     lark = "\n".join(["start: r0", *lark_rules, 'r400: "z"'])
     assert len(lark) > MAX_GBNF_CHARS
     assert _params({**CHAT, "guided_grammar": lark}).structured_outputs is not None
+
+
+def test_disable_additional_properties_defaults_on_and_a_request_or_the_server_turns_it_off() -> (
+    None
+):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    assert _params({**CHAT, "response_format": fmt}).structured_outputs == CLOSED
+    loose = {"json": SCHEMA, "disable_additional_properties": False}
+    params = _params({**CHAT, "structured_outputs": loose}).structured_outputs
+    assert params is not None and params.disable_additional_properties is False
+    # vLLM's form: the options in structured_outputs, the constraint in response_format.
+    options = {"structured_outputs": {"disable_additional_properties": False}}
+    params = _params({**CHAT, "response_format": fmt, **options}).structured_outputs
+    assert params == StructuredOutputsParams(
+        json=json.dumps(SCHEMA), disable_additional_properties=False
+    )
+    server = StructuredOutputsConfig(disable_additional_properties=False)
+    request = ChatCompletionRequest.model_validate({**CHAT, "guided_json": SCHEMA})
+    params = to_sampling_params(request, None, None, server).structured_outputs
+    assert params is not None and params.disable_additional_properties is False
+    # Other kinds carry nothing: the option is about JSON schemas.
+    regex = _params({**CHAT, "guided_regex": "a+"}).structured_outputs
+    assert regex == StructuredOutputsParams(regex="a+")
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"disable_additional_properties": False},  # options, but no constraint anywhere
+        {"json": SCHEMA, "disable_additional_properties": "no"},
+        {"json": SCHEMA, "disable_additional_properties": [True] * 1_000_000},
+    ],
+)
+def test_a_bad_structured_outputs_option_is_a_400(value: dict[str, Any]) -> None:
+    error = _refused({**CHAT, "structured_outputs": value})
+    assert error.param == "structured_outputs" and len(error.message) < 300
+
+
+def test_the_server_flag_reads_vllm_s_json() -> None:
+    assert parse_structured_outputs_config("{}") == StructuredOutputsConfig()
+    off = parse_structured_outputs_config('{"disable_additional_properties": false}')
+    assert off.disable_additional_properties is False
+    for bad in (
+        "[]",
+        "not json",
+        '{"backend": "xgrammar"}',
+        '{"disable_additional_properties": 1}',
+    ):
+        with pytest.raises(ValueError, match="--structured-outputs-config"):
+            parse_structured_outputs_config(bad)
