@@ -128,3 +128,17 @@ def test_refusals(base: str, path: str, body: dict[str, Any], status: int, param
     assert answer.json()["error"]["param"] == param
     # The server keeps serving.
     assert httpx.post(f"{base}/pooling", json={"input": "ok"}, timeout=120).status_code == 200
+
+
+def test_openapi_describes_the_pooling_routes(base: str) -> None:
+    document = httpx.get(f"{base}/openapi.json", timeout=60).json()
+    paths, schemas = document["paths"], document["components"]["schemas"]
+    assert "/v1/embeddings" in paths and "/pooling" in paths
+    assert "/v1/completions" not in paths and "/v1/chat/completions" not in paths
+    body = paths["/v1/embeddings"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"]["$ref"] == "#/components/schemas/PoolingRequest"
+    fields = schemas["PoolingRequest"]["properties"]
+    assert {"input", "messages", "encoding_format", "dimensions"} <= set(fields)
+    ok = paths["/pooling"]["post"]["responses"]["200"]["content"]["application/json"]
+    assert ok["schema"]["$ref"] == "#/components/schemas/PoolingResponse"
+    assert {"EmbeddingResponse", "PoolingData", "ChatMessage"} <= set(schemas)
