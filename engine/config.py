@@ -60,7 +60,8 @@ class ModelConfig:
     dtype: Dtype = field(
         default="auto",
         metadata=engine_arg(
-            "weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)"
+            "weights and activations dtype (auto: float32 on CPU; on GPU the checkpoint's "
+            "bfloat16 or float16, bfloat16 for a float32 one)"
         ),
     )
     quantization: Quantization = field(
@@ -121,9 +122,9 @@ class CacheConfig:
     cache_dtype: KVCacheDtype = field(
         default="auto",
         metadata=engine_arg(
-            "dtype of the KV cache (auto: the model's dtype on GPU; on CPU bfloat16 where the "
-            "CPU computes in it natively (AVX512-BF16), else the model's dtype; fp8: "
-            "float8 e4m3, a byte per value, on GPU with the triton attention backend)",
+            "dtype of the KV cache (auto: the model's dtype, --dtype; bfloat16 or float16 "
+            "halve its bytes per token under a float32 model; fp8: float8 e4m3, a byte per "
+            "value, on GPU with the triton attention backend)",
             flag="--kv-cache-dtype",
         ),
     )

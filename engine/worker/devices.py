@@ -1,4 +1,4 @@
-"""Where a rank's model runs: its device, its dtype, and its share of the CPU."""
+"""Where a rank's model runs: its device and its share of the CPU."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 
 from corefleet.engine import envs
 from corefleet.engine.worker.cpu_allowance import read_allowance
-from corefleet.engine.worker.model_runner import TORCH_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -18,22 +17,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def resolve_dtype(
-    requested: str, checkpoint_dtype: str | None, device: torch.device
-) -> torch.dtype:
-    """``auto``: the checkpoint's half-precision type on GPU; float32 on CPU (as vLLM on CPU
-    without a bf16 request)."""
-    if requested != "auto":
-        return TORCH_DTYPES[requested]
-    if device.type == "cuda":
-        return (
-            torch.bfloat16
-            if checkpoint_dtype in (None, "bfloat16", "float32")
-            else TORCH_DTYPES.get(checkpoint_dtype, torch.bfloat16)
-        )
-    return torch.float32
 
 
 def set_cpu_threads(workers: int = 1) -> None:

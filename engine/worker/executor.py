@@ -22,7 +22,8 @@ from corefleet.engine.core.scheduler_output import (
     SchedulerOutput,
 )
 from corefleet.engine.models.loader import load_arch_config
-from corefleet.engine.worker.devices import resolve_device, resolve_dtype, set_cpu_threads
+from corefleet.engine.worker.devices import resolve_device, set_cpu_threads
+from corefleet.engine.worker.dtypes import resolve_dtype
 from corefleet.engine.worker.dummy_batch import execute_dummy_batch
 from corefleet.engine.worker.model_runner import ModelRunner
 

@@ -21,6 +21,12 @@ from corefleet.engine.models.weights import load_weights, quantized_weights
 from corefleet.engine.pooler_config import resolve_runner
 from corefleet.engine.worker.attention_inputs import AttentionInputs
 from corefleet.engine.worker.dp_group import expert_parallel_for
+from corefleet.engine.worker.dtypes import (
+    DtypeChoice,
+    choose_dtype,
+    choose_kv_cache_dtype,
+    describe_dtypes,
+)
 from corefleet.engine.worker.input_batch import InputBatch, RequestState, StepInputs
 from corefleet.engine.worker.kv_budget import cpu_kv_cache_budget
 from corefleet.engine.worker.logit_masks import ban_stop_tokens_below_min_tokens, grammar_rows
@@ -28,13 +34,10 @@ from corefleet.engine.worker.pooler import Pooler
 from corefleet.engine.worker.prompt_logprobs import PromptLogprobsTracker
 from corefleet.engine.worker.sampler import Sampler, SamplingMetadata
 from corefleet.kernels.backend_selection import select_kernel_backend
-from corefleet.kernels.cpu.loader import cpu_flags
 from corefleet.kernels.gguf_quant import QuantFormat
 from corefleet.kernels.metadata import AttentionMetadata, PrefillSpan
 
 logger = logging.getLogger(__name__)
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelRunner:
@@ -73,7 +76,9 @@ class ModelRunner:
         self.backend = select_kernel_backend(
             config.device.attention_backend, device, dtype=dtype, block_size=self.block_size
         )
-        self.kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, dtype, self.backend.name)
+        kv_choice = choose_kv_cache_dtype(config.cache.cache_dtype, dtype, self.backend.name)
+        self.kv_dtype = kv_choice.dtype
+        logger.info("%s", describe_dtypes(self._dtype_choice(), kv_choice))
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[KVCache] = []
         self.sampler = Sampler(argmax=self.backend.argmax)
@@ -88,6 +93,11 @@ class ModelRunner:
         )
 
     # ---- start-up -------------------------------------------------------------------------
+
+    def _dtype_choice(self) -> DtypeChoice:
+        """Why the model runs in ``self.dtype`` (the caller resolved it from the same inputs)."""
+        choice = choose_dtype(self.config.model.dtype, self.arch.torch_dtype, self.device)
+        return choice if choice.dtype == self.dtype else DtypeChoice(self.dtype, "given")
 
     def load_model(self) -> None:
         started = time.perf_counter()
@@ -360,26 +370,6 @@ def _needs_history(states: list[RequestState]) -> bool:
 def _cos_sin(arch: ArchConfig, max_positions: int, device: torch.device) -> torch.Tensor:
     table = build_cos_sin_cache(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
     return table.to(device)  # [max_positions, head_dim] float32
-
-
-def resolve_kv_cache_dtype(requested: str, dtype: torch.dtype, backend: str) -> torch.dtype:
-    """``--kv-cache-dtype``. ``auto``: bfloat16 for the C++ CPU kernels on a CPU with
-    AVX512-BF16 (half the bytes of float32 for every token's K and V, and attention reads
-    them with native bf16 dot products), the model's dtype everywhere else. ``fp8`` (float8
-    e4m3, unscaled, as vLLM's default scale of 1.0): the Triton backend only."""
-    if requested == "fp8":
-        if backend != "triton":
-            raise ValueError(
-                f"--kv-cache-dtype fp8 needs the triton attention backend (a GPU, "
-                f"--attention-backend triton or auto on CUDA); the {backend} backend has no "
-                "float8 kernels"
-            )
-        return torch.float8_e4m3fn
-    if requested != "auto":
-        return TORCH_DTYPES[requested]
-    if backend == "cpu" and dtype == torch.float32 and "avx512_bf16" in cpu_flags()[0]:
-        return torch.bfloat16
-    return dtype
 
 
 def _describe_quantized(quantized: dict[str, QuantFormat]) -> str:

@@ -39,7 +39,8 @@ from corefleet.engine.models.loader import load_arch_config
 from corefleet.engine.models.pipeline_parallel import PipelineStage
 from corefleet.engine.models.tensor_parallel import TensorParallel
 from corefleet.engine.transport.serial import MsgpackDecoder, MsgpackEncoder
-from corefleet.engine.worker.devices import resolve_device, resolve_dtype, set_cpu_threads
+from corefleet.engine.worker.devices import resolve_device, set_cpu_threads
+from corefleet.engine.worker.dtypes import resolve_dtype
 from corefleet.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
-"""The CPU KV cache's default size and dtype: what the batch limits can use, in 16 bits where
-the CPU computes in bfloat16."""
+"""The CPU KV cache's default size (what the batch limits can use, in bytes) and the dtypes:
+``--kv-cache-dtype auto`` is the model's dtype, an explicit one is honoured."""
 
 from __future__ import annotations
 
@@ -7,9 +7,14 @@ import pytest
 import torch
 
 from corefleet.engine.config import EngineConfig, GiB
+from corefleet.engine.worker.dtypes import (
+    DtypeChoice,
+    choose_dtype,
+    choose_kv_cache_dtype,
+    describe_dtypes,
+    resolve_kv_cache_dtype,
+)
 from corefleet.engine.worker.kv_budget import DEFAULT_CPU_KV_CACHE_LIMIT, cpu_kv_cache_budget
-from corefleet.engine.worker.model_runner import resolve_kv_cache_dtype
-from corefleet.kernels.cpu.loader import cpu_flags
 
 BLOCK_BYTES = 1 << 20  # 1 MiB per block of 16 tokens
 
@@ -45,8 +50,43 @@ def test_kv_cache_dtype_refuses_unknown_names() -> None:
 
 def test_kv_cache_dtype_resolution() -> None:
     assert resolve_kv_cache_dtype("float16", torch.float32, "cpu") == torch.float16
+    assert resolve_kv_cache_dtype("bfloat16", torch.float32, "cpu") == torch.bfloat16
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, "triton") == torch.bfloat16
     assert resolve_kv_cache_dtype("auto", torch.float32, "torch") == torch.float32
-    native_bf16 = "avx512_bf16" in cpu_flags()[0]
-    expected = torch.bfloat16 if native_bf16 else torch.float32
-    assert resolve_kv_cache_dtype("auto", torch.float32, "cpu") == expected
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_auto_kv_cache_dtype_is_the_models_on_every_backend(
+    backend: str, dtype: torch.dtype
+) -> None:
+    # vLLM's meaning, whatever the CPU: a float32 model keeps a float32 cache even where the CPU
+    # has AVX512-BF16 (it used to get bfloat16 there, and so lost parity with transformers).
+    choice = choose_kv_cache_dtype("auto", dtype, backend)
+    assert choice.dtype == dtype
+    assert choice.why == "--kv-cache-dtype auto: the model's dtype"
+
+
+def test_dtype_auto_and_explicit() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    for checkpoint in (None, "bfloat16", "float32", "float16"):
+        assert choose_dtype("auto", checkpoint, cpu).dtype == torch.float32
+    assert choose_dtype("auto", "float16", cuda).dtype == torch.float16
+    assert choose_dtype("auto", "bfloat16", cuda).dtype == torch.bfloat16
+    assert choose_dtype("auto", "float32", cuda).dtype == torch.bfloat16
+    assert choose_dtype("auto", None, cuda).dtype == torch.bfloat16
+    # An explicit dtype is honoured on every device.
+    for device in (cpu, cuda):
+        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+            assert choose_dtype(name, "bfloat16", device) == DtypeChoice(dtype, f"--dtype {name}")
+
+
+def test_the_log_line_names_both_dtypes_and_why() -> None:
+    model = choose_dtype("auto", "bfloat16", torch.device("cpu"))
+    line = describe_dtypes(model, choose_kv_cache_dtype("auto", model.dtype, "cpu"))
+    assert line == (
+        "dtype float32 (--dtype auto on CPU: float32), "
+        "KV cache dtype float32 (--kv-cache-dtype auto: the model's dtype)"
+    )
+    explicit = describe_dtypes(model, choose_kv_cache_dtype("bfloat16", model.dtype, "cpu"))
+    assert explicit.endswith("KV cache dtype bfloat16 (--kv-cache-dtype bfloat16)")

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from corefleet.engine.worker.model_runner import resolve_kv_cache_dtype
+from corefleet.engine.worker.dtypes import resolve_kv_cache_dtype
 from corefleet.kernels import reference
 from corefleet.kernels.triton_ops import attention as triton_attention
 from corefleet.kernels.triton_ops.backend import TritonBackend
