@@ -13,6 +13,8 @@ NON_DEFAULT: dict[str, object] = {
     "quantization": "none",
     "kv_cache_dtype": "float16",
     "seed": 1234,
+    "runner": "pooling",
+    "pooler_config": '{"pooling_type": "MEAN", "use_activation": false}',
     "max_num_seqs": 7,
     "max_num_batched_tokens": 513,
     "enable_chunked_prefill": False,

@@ -47,6 +47,8 @@ VLLM_FLAGS = {
     "--dtype",
     "--max-model-len",
     "--seed",
+    "--runner",
+    "--pooler-config",
     "--max-num-seqs",
     "--max-num-batched-tokens",
     "--enable-chunked-prefill",
