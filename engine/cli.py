@@ -15,6 +15,7 @@ from corefleet.engine.engine_args import add_engine_args, engine_kwargs_from_arg
 from corefleet.engine.entrypoints.rank_cpus import add_rank_cpu_args
 from corefleet.engine.messages import SamplingParams
 from corefleet.engine.openai.limits import add_limit_args
+from corefleet.engine.openai.server_options import add_server_args
 from corefleet.engine.openai.structured_options import add_structured_output_args
 from corefleet.engine.openai.tool_options import add_tool_args
 from corefleet.engine.worker.dp_settings import DEFAULT_DP_ADDRESS
@@ -99,6 +100,7 @@ def _http_args(parser: argparse.ArgumentParser) -> None:
     add_limit_args(parser)
     add_tool_args(parser)
     add_structured_output_args(parser)
+    add_server_args(parser)
 
 
 def _serve_parsers(sub: argparse._SubParsersAction) -> None:

@@ -34,6 +34,7 @@ from corefleet.engine.openai.api_server import build_app
 from corefleet.engine.openai.generation_api import GenerationApi
 from corefleet.engine.openai.limits import RequestLimits
 from corefleet.engine.openai.metrics import ServingMetrics
+from corefleet.engine.openai.server_options import ServerOptions
 from corefleet.engine.openai.server_state import ServerState
 from corefleet.engine.openai.structured_options import StructuredOutputsConfig
 from corefleet.engine.openai.tool_options import ToolOptions
@@ -62,6 +63,7 @@ class CoordinatorOptions:
     limits: RequestLimits = field(default_factory=RequestLimits)
     tools: ToolOptions = field(default_factory=ToolOptions)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    server: ServerOptions = field(default_factory=ServerOptions)
     max_migrations: int = 2
     heartbeat_timeout_s: float = 10.0
     shutdown_timeout_s: float = 30.0
@@ -121,6 +123,8 @@ async def run(
         ServingMetrics(fleet, model_name),
         options.limits,
         options.tools,
+        server=options.server,
+        model_root=options.model or model_path,
         structured_outputs=options.structured_outputs,
     )
     api = GenerationApi(state)
@@ -131,6 +135,7 @@ async def run(
         options.limits,
         options.shutdown_timeout_s,
         routes=api,
+        root_path=options.server.root_path,
     )
     supervisor: asyncio.Task[None] | None = None
     try:

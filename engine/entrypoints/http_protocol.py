@@ -35,6 +35,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from corefleet.engine.openai.admission import body_too_large
 from corefleet.engine.openai.errors import RequestError
 from corefleet.engine.openai.replies import JsonReply, Reply, StreamReply, error_reply
+from corefleet.engine.openai.server_options import route_path
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class CoordinatorProtocol(HttpToolsProtocol):
     routes: NativeRoutes | None = None
     max_body_bytes = 4 * 1024 * 1024
     body_timeout_s = 30.0
+    root_path = ""  # --root-path: a path under it is routed without it (as the app does)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -261,7 +263,7 @@ class CoordinatorProtocol(HttpToolsProtocol):
         """The path of a request this protocol serves itself, or None for uvicorn's ASGI."""
         if self.routes is None or self.parser.get_method() != b"POST":
             return None
-        path = self.url.partition(b"?")[0].decode("latin-1")
+        path = route_path(self.url.partition(b"?")[0].decode("latin-1"), self.root_path)
         if path not in self.routes.endpoints or self.parser.should_upgrade():
             return None
         if self.cycle is not None and not self.cycle.response_complete:
@@ -374,14 +376,16 @@ def coordinator_protocol(
     routes: NativeRoutes | None = None,
     max_body_bytes: int = CoordinatorProtocol.max_body_bytes,
     body_timeout_s: float = CoordinatorProtocol.body_timeout_s,
+    root_path: str = "",
 ) -> type[CoordinatorProtocol]:
     """The protocol class for one server: heads due within ``head_timeout_s``, and ``routes``
-    (if any) served natively with bodies of at most ``max_body_bytes`` due within
-    ``body_timeout_s``."""
+    (if any, at their paths or under ``root_path``) served natively with bodies of at most
+    ``max_body_bytes`` due within ``body_timeout_s``."""
     attributes = {
         "head_timeout_s": head_timeout_s,
         "routes": routes,
         "max_body_bytes": max_body_bytes,
         "body_timeout_s": body_timeout_s,
+        "root_path": root_path,
     }
     return type("CoordinatorProtocol", (CoordinatorProtocol,), attributes)

@@ -63,11 +63,17 @@ def uvicorn_config(
     limits: RequestLimits,
     shutdown_timeout_s: float,
     routes: NativeRoutes | None = None,
+    root_path: str = "",
 ) -> uvicorn.Config:
     """uvicorn's configuration for the API: the connection limits of ``limits``, and
-    ``routes`` (the generation POSTs) served by the protocol itself."""
+    ``routes`` (the generation POSTs) served by the protocol itself, with or without the
+    ``root_path`` prefix (``--root-path``; the app applies it to the rest)."""
     protocol = coordinator_protocol(
-        limits.header_timeout_s, routes, limits.max_request_body_bytes, limits.body_timeout_s
+        limits.header_timeout_s,
+        routes,
+        limits.max_request_body_bytes,
+        limits.body_timeout_s,
+        root_path,
     )
     return uvicorn.Config(
         app,

@@ -11,6 +11,7 @@ from corefleet.engine.entrypoints.coordinator import CoordinatorOptions, run
 from corefleet.engine.entrypoints.local_ranks import LocalRanks
 from corefleet.engine.entrypoints.rank_cpus import plan_from_args
 from corefleet.engine.openai.limits import limits_from_args
+from corefleet.engine.openai.server_options import server_options_from_args
 from corefleet.engine.openai.structured_options import structured_outputs_config_from_args
 from corefleet.engine.openai.tool_options import tool_options_from_args
 
@@ -24,6 +25,7 @@ def serve_command(args: argparse.Namespace) -> int:
     limits = limits_from_args(args)
     tools = tool_options_from_args(args)
     structured_outputs = structured_outputs_config_from_args(args)
+    server = server_options_from_args(args)
     if args.command == "coordinator":
         options = CoordinatorOptions(
             model=args.model,
@@ -38,6 +40,7 @@ def serve_command(args: argparse.Namespace) -> int:
             limits=limits,
             tools=tools,
             structured_outputs=structured_outputs,
+            server=server,
             max_migrations=args.max_migrations,
             shutdown_timeout_s=args.shutdown_timeout,
             shutdown_delay_s=args.shutdown_delay,
@@ -64,6 +67,7 @@ def serve_command(args: argparse.Namespace) -> int:
         limits=limits,
         tools=tools,
         structured_outputs=structured_outputs,
+        server=server,
         max_migrations=args.max_migrations,
         shutdown_timeout_s=args.shutdown_timeout,
     )

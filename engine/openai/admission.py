@@ -123,6 +123,7 @@ class InFlightLimiter:
         self.capacity = capacity
         self.per_key = per_key
         self.in_flight = 0
+        self.requests = 0  # admitted requests not yet answered (vLLM's server load, /load)
         self._per_key: dict[str, int] = {}
         self.refused = 0  # cumulative, for /metrics
 
@@ -134,6 +135,7 @@ class InFlightLimiter:
         if key is not None and self.per_key is not None and not _fits(held, weight, self.per_key):
             raise self._refuse("this API key is at its limit of requests in flight")
         self.in_flight += weight
+        self.requests += 1
         if key is not None:
             self._per_key[key] = held + weight
         return Ticket(self, key, weight)
@@ -149,6 +151,7 @@ class InFlightLimiter:
 
     def _give_back(self, ticket: Ticket) -> None:
         self.in_flight -= ticket.weight
+        self.requests -= 1
         if ticket.key is not None:
             left = self._per_key[ticket.key] - ticket.weight
             if left:

@@ -1,13 +1,16 @@
 """The coordinator's HTTP API: OpenAI's completions, chat and models, plus health and metrics.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health`` (the process works), ``GET /ready`` (503, retryable, while no rank serves or
-while shutting down), ``GET /metrics`` (Prometheus), ``GET /admin/engines`` (JSON per rank),
-``GET /openapi.json`` (``openapi.py``). With API keys, ``/v1/*`` and ``/admin/*`` answer 401
-without ``Authorization: Bearer KEY``. Bad input is a 400 with an OpenAI error body naming the
-field; nothing invalid reaches a rank. The generation endpoints themselves are
-``generation_api.py``; in ``corefleet serve`` their POSTs never reach this app (the
-coordinator's HTTP protocol serves them without ASGI: ``engine/entrypoints/http_protocol.py``).
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and
+vLLM's tokenizer, version and load routes: ``utility_api.py``), ``GET /health`` (the process
+works), ``GET /ready`` (503, retryable, while no rank serves or while shutting down),
+``GET /metrics`` (Prometheus), ``GET /admin/engines`` (JSON per rank), ``GET /openapi.json``
+(``openapi.py``). With API keys, ``/v1/*``, ``/admin/*`` and the tokenizer routes answer 401
+without ``Authorization: Bearer KEY`` (``front.py``). Under ``--root-path`` every route is
+also served with that prefix, and the document names it in ``servers``. Bad input is a 400
+with an OpenAI error body naming the field; nothing invalid reaches a rank. The generation
+endpoints themselves are ``generation_api.py``; in ``corefleet serve`` their POSTs never
+reach this app (the coordinator's HTTP protocol serves them without ASGI:
+``engine/entrypoints/http_protocol.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from corefleet.engine.openai import protocol as p
 from corefleet.engine.openai.admission import read_body
 from corefleet.engine.openai.errors import RequestError
 from corefleet.engine.openai.front import ApiFront, Endpoint, error_response, reply_response
@@ -27,6 +29,7 @@ from corefleet.engine.openai.generation_api import Endpoint as GenerationEndpoin
 from corefleet.engine.openai.generation_api import GenerationApi
 from corefleet.engine.openai.openapi import served_openapi
 from corefleet.engine.openai.server_state import ServerState
+from corefleet.engine.openai.utility_api import add_utility_routes
 
 # FastAPI's built-in OpenTelemetry (in the versions that have it) asks the global providers
 # on every request whether anyone listens, reading environment variables each time: a tenth of
@@ -44,6 +47,9 @@ def build_app(state: ServerState, api: GenerationApi | None = None) -> ApiFront:
     the generation POSTs (one over ``state`` when not given); the coordinator's own HTTP
     protocol calls it directly, so those POSTs reach this app only under another server."""
     app = FastAPI(title="corefleet", docs_url=None, redoc_url=None, **_WITHOUT_TELEMETRY)
+    # --root-path, set as vLLM sets it (FastAPI deprecates the constructor's argument): every
+    # request's scope carries it, and Starlette routes paths with or without it.
+    root_path = app.root_path = state.server.root_path
     api = api or GenerationApi(state)
 
     # The front door serves their POSTs; in FastAPI's table (plain Starlette routes: no
@@ -70,21 +76,28 @@ def build_app(state: ServerState, api: GenerationApi | None = None) -> ApiFront:
     async def engines() -> list[dict[str, Any]]:
         return [_rank_json(m) for m in state.fleet.membership.members.values()]
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        ranks = state.fleet.membership.accepting()
-        max_len = ranks[0].info.max_model_len if ranks and ranks[0].info else None
-        card = p.ModelCard(id=state.model_name, max_model_len=max_len)
-        return p.ModelList(data=[card]).model_dump()
+    add_utility_routes(app, state)
 
-    app.openapi = lambda: served_openapi(  # type: ignore[method-assign]
-        state.model_name,
-        bool(state.api_keys),
-        state.max_n(),
-        state.limits,
-        state.fleet.membership.accepting(),
+    def document() -> dict[str, Any]:
+        served = served_openapi(
+            state.model_name,
+            bool(state.api_keys),
+            state.max_n(),
+            state.limits,
+            state.fleet.membership.accepting(),
+            tokenizer_info=state.server.enable_tokenizer_info_endpoint,
+        )
+        # The cached document is shared: a copy names the proxy's prefix (FastAPI's servers).
+        return served | {"servers": [{"url": root_path}]} if root_path else served
+
+    app.openapi = document  # type: ignore[method-assign]
+    return ApiFront(
+        app,
+        state.api_keys,
+        generation,
+        closing=lambda: state.shutting_down,
+        root_path=root_path,
     )
-    return ApiFront(app, state.api_keys, generation, closing=lambda: state.shutting_down)
 
 
 def _over_asgi(state: ServerState, endpoint: GenerationEndpoint) -> Endpoint:

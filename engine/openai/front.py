@@ -1,7 +1,8 @@
 """The API's front door: every HTTP request passes here before FastAPI (plain ASGI).
 
-- ``/v1`` and ``/admin`` answer 401 without a valid key (when keys are configured); the key's
-  id goes to ``request.state.key_id`` (None without keys).
+- ``/v1``, ``/admin`` and the tokenizer routes answer 401 without a valid key (when keys are
+  configured); the key's id goes to ``request.state.key_id`` (None without keys). Paths are
+  read as routed: under ``--root-path`` too (``server_options.route_path``).
 - ``POST /v1/completions`` and ``POST /v1/chat/completions`` go straight to their handlers.
   FastAPI wraps each request, and each chunk a streamed response sends, in five layers of its
   own (server errors, telemetry, body limit, exception handlers, an exit stack), and routes by
@@ -28,10 +29,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from corefleet.engine.openai.admission import ApiKeys, unauthorized
 from corefleet.engine.openai.errors import RequestError
 from corefleet.engine.openai.replies import Reply, StreamReply, error_reply
+from corefleet.engine.openai.server_options import route_path
 
 logger = logging.getLogger(__name__)
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+
+# What needs the key when keys are configured: vLLM guards /v1; the admin routes say how the
+# fleet runs, and the tokenizer routes spend the server's CPU on whatever a client sends (vLLM
+# leaves those open). Probes and load balancers' routes (/health, /ready, /metrics, /load,
+# /version) stay open.
+PROTECTED_PREFIXES = ("/v1", "/admin", "/tokenize", "/detokenize")
 
 
 def reply_response(reply: Reply) -> Response:
@@ -60,11 +68,13 @@ class ApiFront:
         keys: ApiKeys,
         generation: Mapping[str, Endpoint],
         closing: Callable[[], bool] = lambda: False,
+        root_path: str = "",
     ) -> None:
         self.app = app
         self.keys = keys
         self.generation = dict(generation)  # path -> handler of its POST
         self.closing = closing
+        self.root_path = root_path  # --root-path: routed with or without it
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -73,8 +83,8 @@ class ApiFront:
         if self.closing():
             send = _closing_connection(send)
         key_id = None
-        path: str = scope["path"]
-        if self.keys and (path.startswith("/v1") or path.startswith("/admin")):
+        path = route_path(scope["path"], self.root_path)
+        if self.keys and path.startswith(PROTECTED_PREFIXES):
             key_id = self.keys.identify(Headers(scope=scope).get("authorization"))
             if key_id is None:
                 await error_response(unauthorized())(scope, receive, send)

@@ -12,6 +12,7 @@ from corefleet.engine.openai.admission import ApiKeys, InFlightLimiter
 from corefleet.engine.openai.errors import RequestError
 from corefleet.engine.openai.limits import FALLBACK_MAX_N, RequestLimits
 from corefleet.engine.openai.metrics import ServingMetrics
+from corefleet.engine.openai.server_options import ServerOptions
 from corefleet.engine.openai.structured_options import StructuredOutputsConfig
 from corefleet.engine.openai.tool_options import ToolOptions
 
@@ -27,6 +28,8 @@ class ServerState:
     metrics: ServingMetrics
     limits: RequestLimits = field(default_factory=RequestLimits)
     tool_options: ToolOptions = field(default_factory=ToolOptions)
+    server: ServerOptions = field(default_factory=ServerOptions)  # --root-path, ...
+    model_root: str = ""  # the model as --model named it (/v1/models' root)
     # --structured-outputs-config: strict JSON schemas or not
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     shutting_down: bool = False
