@@ -46,4 +46,11 @@ ABSURD: list[tuple[str, Any, int, str | None]] = [
     (CHAT, {"messages": MSG, "max_completion_tokens": HUGE}, 400, "max_completion_tokens"),
     (C, {"prompt": "x" * (2 * BODY_LIMIT)}, 413, None),
     (CHAT, {"messages": [{"role": "user", "content": "x" * (2 * BODY_LIMIT)}]}, 413, None),
+    # vLLM's tokenizer routes (utility_api.py).
+    ("/tokenize", {"prompt": "x" * (2 * BODY_LIMIT)}, 413, None),
+    ("/tokenize", {"messages": MSG * 5000}, 400, "messages"),
+    ("/tokenize", {"prompt": "Hi", "model": "m" * 500_000}, 404, "model"),
+    ("/detokenize", {"tokens": [HUGE]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [1] * 1_000_000}, 413, None),
 ]

@@ -144,7 +144,8 @@ def test_the_document_carries_the_served_bounds(document: dict[str, Any]) -> Non
         assert f'"{keyword}":' not in raw
     paths = document["paths"]
     assert document["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/admin/engines"):
+    protected = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/admin/engines")
+    for path in (*protected, "/v1/models/{model}", "/tokenize", "/detokenize"):
         (operation,) = paths[path].values()
         assert operation["security"] == [{"bearer": []}] and "401" in operation["responses"]
     assert "security" not in paths["/health"]["get"]

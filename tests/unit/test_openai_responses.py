@@ -160,13 +160,30 @@ def test_chat_chunks_round_trip_through_sse_json() -> None:
 
 
 def test_models_round_trip() -> None:
-    models = ModelList(data=[ModelCard(id="qwen", max_model_len=4096)])
+    models = ModelList(data=[ModelCard(id="qwen", root="/models/qwen", max_model_len=4096)])
     body = json.loads(models.model_dump_json())
     assert body["object"] == "list"
     theirs = Model.model_validate(body["data"][0])
-    assert (theirs.id, theirs.object, theirs.owned_by) == ("qwen", "model", "corefleet")
+    assert (theirs.id, theirs.object, theirs.owned_by) == ("qwen", "model", "vllm")
     assert isinstance(theirs.created, int)
-    assert theirs.model_extra == {"max_model_len": 4096}
+    extra = theirs.model_extra or {}
+    assert (extra["root"], extra["parent"], extra["max_model_len"]) == ("/models/qwen", None, 4096)
+    # vLLM's permission entry, field for field.
+    (permission,) = extra["permission"]
+    assert permission.pop("id").startswith("modelperm-")
+    assert isinstance(permission.pop("created"), int)
+    assert permission == {
+        "object": "model_permission",
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
 
 
 def test_sse_framing() -> None:
@@ -267,7 +284,7 @@ def test_real_client_accepts_abort_and_lists_models() -> None:
         200, ModelList(data=[ModelCard(id="qwen", max_model_len=8)]).model_dump_json()
     )
     (model,) = client.models.list()
-    assert (model.id, model.owned_by) == ("qwen", "corefleet")
+    assert (model.id, model.owned_by) == ("qwen", "vllm")
 
 
 TRICKY_TEXTS = [
