@@ -161,6 +161,9 @@ class ServingMetrics:
             "vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS
         )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.prompt_tokens_cached = counter(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+        )
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         )

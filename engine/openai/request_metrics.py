@@ -93,14 +93,17 @@ class RequestStats:
         engine = str(sample.rank) if sample.rank >= 0 else ""
         num_new = len(output.new_token_ids)
         if num_new and rank >= 0:
-            self._tokens(sample, engine, num_new, engine_time)
+            self._tokens(sample, engine, num_new, engine_time, output.num_cached_tokens)
         if finish_reason is not None:
             self._finish(sample, engine, finish_reason)
 
-    def _tokens(self, sample: _Sample, engine: str, num_new: int, engine_time: float) -> None:
+    def _tokens(
+        self, sample: _Sample, engine: str, num_new: int, engine_time: float, cached: int
+    ) -> None:
         metrics = self.metrics
         if sample.num_generation_tokens == 0:  # its prompt is computed: vLLM counts it now
             metrics.prompt_tokens(engine).inc(sample.num_prompt_tokens)
+            metrics.prompt_tokens_cached(engine).inc(cached)  # the first output says it
             metrics.ttft(engine).observe(time.monotonic() - self.arrival)
         elif sample.last_token_ts:  # not the first output on this rank
             latency = engine_time - sample.last_token_ts

@@ -34,6 +34,7 @@ LONG_PROMPT = (
 DASHBOARD = {
     "vllm:e2e_request_latency_seconds": "histogram",
     "vllm:prompt_tokens": "counter",
+    "vllm:prompt_tokens_cached": "counter",
     "vllm:generation_tokens": "counter",
     "vllm:inter_token_latency_seconds": "histogram",
     "vllm:time_per_output_token_seconds": "histogram",
@@ -263,6 +264,10 @@ def test_rank_counters_follow_the_engine_stats(served: tuple[str, Sent]) -> None
         assert time.monotonic() < deadline, f"stats did not catch up: {queries=} {tokens=}"
         time.sleep(0.2)
     assert 32 <= hits <= queries  # the repeated long prompt's two full blocks, at least
+    # What the requests' first outputs said the cache served: those hits (a request that was
+    # looked up again, not admitted at once, counts once here).
+    cached = value(families["vllm:prompt_tokens_cached"][1], "vllm:prompt_tokens_cached_total")
+    assert 32 <= cached <= hits
     assert value(families["vllm:num_preemptions"][1], "vllm:num_preemptions_total") == 0
     assert steps >= 1 and tokens >= steps  # each step computed at least one token
     assert value(samples, "vllm:iteration_tokens_total_bucket", le="+Inf") == steps

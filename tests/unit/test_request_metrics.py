@@ -103,10 +103,12 @@ def _out(
     rank: int,
     at: float,
     *events: tuple[EngineCoreEventType, float],
+    cached: int = 0,
 ) -> StampedOutput:
     output = EngineCoreOutput(
         request_id,
         [7] * tokens,
+        num_cached_tokens=cached,
         events=[EngineCoreEvent(t, ts) for t, ts in events] or None,
     )
     return StampedOutput(output, rank, at)
@@ -124,7 +126,7 @@ def metrics() -> ServingMetrics:
 
 def test_phases_on_the_rank_clock(metrics: ServingMetrics) -> None:
     stats = metrics.request_stats(_generation())  # type: ignore[arg-type]
-    stats.observe(_out("r-0-0", 1, 3, 11.0, (QUEUED, 10.0), (SCHEDULED, 10.5)), None)
+    stats.observe(_out("r-0-0", 1, 3, 11.0, (QUEUED, 10.0), (SCHEDULED, 10.5), cached=2), None)
     stats.observe(_out("r-0-0", 1, 3, 11.25, (PREEMPTED, 11.1), (SCHEDULED, 11.2)), None)
     stats.observe(_out("r-0-0", 1, 3, 11.5), "length")
     engine = {"engine": "3"}
@@ -142,6 +144,7 @@ def test_phases_on_the_rank_clock(metrics: ServingMetrics) -> None:
     assert _sample(metrics, "vllm:request_success_total", finished_reason="length", **engine) == 1
     assert _sample(metrics, "vllm:request_success_total", finished_reason="stop", **engine) == 0
     assert _sample(metrics, "vllm:prompt_tokens_total", **engine) == 4
+    assert _sample(metrics, "vllm:prompt_tokens_cached_total", **engine) == 2
     assert _sample(metrics, "vllm:generation_tokens_total", **engine) == 3
     assert _sample(metrics, "vllm:time_to_first_token_seconds_count", **engine) == 1
     assert _sample(metrics, "vllm:request_generation_tokens_sum", **engine) == 3
@@ -156,8 +159,8 @@ def test_a_migrated_request_is_timed_on_the_rank_that_finished_it(
     stats = metrics.request_stats(_generation())  # type: ignore[arg-type]
     stats.observe(_out("r-0-0", 1, 0, 11.0, (QUEUED, 10.0), (SCHEDULED, 10.5)), None)
     stats.observe(_out("r-0-0", 1, 0, 11.5), None)
-    # Rank 0 died; rank 1, on a clock of its own, takes over.
-    stats.observe(_out("r-0-0", 1, 1, 502.0, (QUEUED, 500.0), (SCHEDULED, 501.0)), None)
+    # Rank 0 died; rank 1, on a clock of its own, takes over (its cache held the prompt).
+    stats.observe(_out("r-0-0", 1, 1, 502.0, (QUEUED, 500.0), (SCHEDULED, 501.0), cached=4), None)
     stats.observe(_out("r-0-0", 1, 1, 502.5), "stop")
     engine = {"engine": "1"}
     assert _sample(metrics, "vllm:request_queue_time_seconds_sum", **engine) == 1.0
@@ -169,6 +172,7 @@ def test_a_migrated_request_is_timed_on_the_rank_that_finished_it(
     assert _sample(metrics, "vllm:time_to_first_token_seconds_count", engine="0") == 1
     assert _sample(metrics, "vllm:time_to_first_token_seconds_count", **engine) == 0
     assert _sample(metrics, "vllm:prompt_tokens_total", engine="0") == 4  # counted once
+    assert _sample(metrics, "vllm:prompt_tokens_cached_total", **engine) == 0
     assert _sample(metrics, "vllm:request_generation_tokens_sum", **engine) == 4
     assert _sample(metrics, "vllm:request_success_total", finished_reason="stop", **engine) == 1
 
