@@ -29,7 +29,9 @@ from corefleet.engine.openai.errors import (
     CONTEXT_LENGTH_EXCEEDED,
     EMPTY_PROMPT,
     MIN_TOKENS_ABOVE_MAX_TOKENS,
+    PROMPT_LOGPROBS_WITH_STREAM,
     SCHEMA_VALID_REFUSALS,
+    ZERO_MAX_TOKENS_WITHOUT_ECHO,
 )
 from corefleet.engine.openai.openapi import openapi_document
 from tests.fixtures_models import TINY_VOCAB, write_tiny_llama
@@ -138,7 +140,8 @@ def test_the_document_carries_the_served_bounds(document: dict[str, Any]) -> Non
         completion["prompt"]["anyOf"]
     )
     max_tokens = [b for b in completion["max_tokens"]["anyOf"] if b.get("type") == "integer"]
-    assert (max_tokens[0]["minimum"], max_tokens[0]["maximum"]) == (1, MAX_MODEL_LEN - 1)
+    # 0 answers the prompt alone, with echo (the zero_max_tokens_without_echo code otherwise).
+    assert (max_tokens[0]["minimum"], max_tokens[0]["maximum"]) == (0, MAX_MODEL_LEN - 1)
     raw = json.dumps(document)
     for keyword in ("ge", "gt", "le", "lt"):  # a pydantic bound it could not put in JSON Schema
         assert f'"{keyword}":' not in raw
@@ -173,10 +176,28 @@ def test_the_document_carries_the_served_bounds(document: dict[str, Any]) -> Non
             {"prompt": "hi", "max_tokens": 2, "min_tokens": 3},
             MIN_TOKENS_ABOVE_MAX_TOKENS,
         ),
+        ("completions", {"prompt": "hi", "max_tokens": 0}, ZERO_MAX_TOKENS_WITHOUT_ECHO),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1, "stream": True},
+            PROMPT_LOGPROBS_WITH_STREAM,
+        ),
         # The tiny model's template knows no "tool" role (its raise_exception).
         (
             "chat/completions",
             {"messages": [{"role": "tool", "content": "x"}]},
+            CHAT_TEMPLATE_REFUSED,
+        ),
+        # Any role is schema-valid: the template decides (this one refuses it).
+        (
+            "chat/completions",
+            {"messages": [{"role": "narrator", "content": "x"}]},
+            CHAT_TEMPLATE_REFUSED,
+        ),
+        # A request's own template, on a server started without --trust-request-chat-template.
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages }}"},
             CHAT_TEMPLATE_REFUSED,
         ),
     ],
