@@ -128,6 +128,33 @@ def test_the_chat_form_counts_what_the_chat_endpoint_sends(base: str) -> None:
         base, "/tokenize", {"messages": partial, "continue_final_message": True}
     )  # add_generation_prompt defaults to true
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    reserved = post(base, "/tokenize", {"messages": QUESTION, "chat_template_kwargs": {"tools": 1}})
+    assert reserved.json()["error"]["param"] == "chat_template_kwargs"
+    untrusted = post(base, "/tokenize", {"messages": QUESTION, "chat_template": "{{ 1 }}"})
+    assert untrusted.json()["error"]["code"] == "chat_template_refused"  # no --trust-request-...
+
+
+def test_the_chat_form_shows_tools_as_the_chat_endpoint_does(base: str) -> None:
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, timeout=120, max_retries=0)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,  # type: ignore[arg-type]
+        tools=[tool],  # type: ignore[list-item]
+        tool_choice="required",
+        max_tokens=1,
+    )
+    assert chat.usage is not None
+    with_tools = post(base, "/tokenize", {"messages": QUESTION, "tools": [tool]}).json()
+    without = post(base, "/tokenize", {"messages": QUESTION}).json()
+    assert with_tools["count"] == chat.usage.prompt_tokens > without["count"]
 
 
 def test_detokenize_round_trips_and_bounds_its_ids(base: str, tokenizer: Tokenizer) -> None:
