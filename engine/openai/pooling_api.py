@@ -28,6 +28,7 @@ from corefleet.engine.messages import (
     SamplingParams,
     validate_prompt,
 )
+from corefleet.engine.openai.chat_render import check_chat_template_fields, render_chat
 from corefleet.engine.openai.errors import RequestError, parse_request
 from corefleet.engine.openai.pooling_protocol import (
     EmbeddingData,
@@ -38,26 +39,13 @@ from corefleet.engine.openai.pooling_protocol import (
     PoolingUsage,
 )
 from corefleet.engine.openai.replies import Reply, error_reply, json_reply
+from corefleet.engine.openai.request_metrics import RequestStats
 from corefleet.engine.openai.server_state import ServerState
 from corefleet.engine.openai.serving import Generation
 from corefleet.engine.pooler_config import check_dimensions
 
 # Inputs up to this many characters in all are tokenized on the event loop (as generation's).
 INLINE_TOKENIZE_CHARS = 2048
-# Template variables the chat form's ``chat_template_kwargs`` may not set (a 400, as at vLLM):
-# the conversation and the renderer's own arguments.
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "messages",
-        "conversation",
-        "tools",
-        "tokenize",
-        "chat_template",
-        "documents",
-        "add_generation_prompt",
-        "continue_final_message",
-    }
-)
 
 
 def refuse_generation(info: ReadyResponse) -> None:
@@ -100,12 +88,16 @@ class PoolingApi:
                     param="input",
                 )
             params = _pooling_params(body, pooler)
+            if body.messages is not None:
+                trusted = state.options.trust_request_chat_template
+                check_chat_template_fields(body.chat_fields(), trusted)
             ticket = state.limiter.admit(key_id, num_inputs)
         except RequestError as err:
             return error_reply(err)
         try:
             requests = await self._requests(body, info, params)
-            vectors = await asyncio.gather(*(self._pool(r) for r in requests))
+            stats = state.metrics.pooling_stats(requests)
+            vectors = await asyncio.gather(*(self._pool(r, stats) for r in requests))
         except RequestError as err:
             return error_reply(err)
         finally:
@@ -192,28 +184,27 @@ class PoolingApi:
     ) -> list[list[int]]:
         tokenizer = self.state.tokenizer
         if body.messages is not None:
-            text = tokenizer.apply_chat_template(
-                body.template_messages(),
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                **(body.chat_template_kwargs or {}),
-            )
+            fields = body.chat_fields()
+            text = render_chat(tokenizer, body.template_messages(), fields)
             if check_length:
                 inputs.check_text_length(text)
-            return [tokenizer.encode(text, add_special_tokens=False)]
+            return [tokenizer.encode(text, add_special_tokens=bool(fields.add_special_tokens))]
+        add_special_tokens = body.add_special_tokens is not False
         out = []
         for prompt in body.prompt_inputs():
             if isinstance(prompt, str):
                 if check_length:  # a text far too long is refused before tokenizing it
                     inputs.check_text_length(prompt)
-                out.append(tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens))
+                out.append(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
             else:
                 out.append(prompt["prompt_token_ids"])
         return out
 
-    async def _pool(self, request: EngineCoreRequest) -> np.ndarray:
-        """Run one engine request; its vector ([D] float32)."""
-        async for output in self.state.fleet.generate(request):
+    async def _pool(self, request: EngineCoreRequest, stats: RequestStats) -> np.ndarray:
+        """Run one engine request; its vector ([D] float32). Its outputs feed the metrics."""
+        async for stamped in self.state.fleet.generate_stamped(request):
+            output = stamped.output
+            stats.observe(stamped, str(output.finish_reason) if output.finished else None)
             if not output.finished:
                 continue
             if output.pooling_output is None:
@@ -227,20 +218,7 @@ class PoolingApi:
 
 def _pooling_params(body: PoolingRequest, pooler: PoolerInfo) -> PoolingParams:
     """The request's pooling parameters (unset ones: the server's); 400 for ``dimensions``
-    a model cannot give, or chat-template options this endpoint does not take."""
-    if body.chat_template is not None:
-        # A template is code: vLLM runs one only under --trust-request-chat-template.
-        raise RequestError(
-            "chat_template is not supported by the pooling endpoints: the model's template "
-            "renders messages",
-            param="chat_template",
-        )
-    reserved = sorted(set(body.chat_template_kwargs or {}) & _RESERVED_TEMPLATE_KWARGS)
-    if reserved:
-        raise RequestError(
-            f"chat_template_kwargs may not set {reserved}: the request's own fields do",
-            param="chat_template_kwargs",
-        )
+    a model cannot give."""
     if body.dimensions is not None:
         try:
             check_dimensions(body.dimensions, pooler)

@@ -14,6 +14,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from corefleet.engine.openai import limits
+from corefleet.engine.openai.chat_render import (
+    MAX_CHAT_TEMPLATE_CHARS,
+    MAX_CHAT_TEMPLATE_KWARGS,
+    MAX_DOCUMENTS,
+    ChatTemplateFields,
+)
 from corefleet.engine.openai.protocol import ChatMessage
 from corefleet.engine.openai.response_models import random_id
 
@@ -40,7 +46,8 @@ class PoolingRequest(BaseModel):
     user: str | None = None
     # Keep only the last N prompt tokens (vLLM's; -1: up to the context length).
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=limits.INT64_MAX)] | None = None
-    add_special_tokens: bool = True
+    # Add the tokenizer's BOS/EOS (None: yes for input, no for messages, as vLLM's).
+    add_special_tokens: bool | None = None
     use_activation: bool | None = None  # L2-normalise (None: the server's --pooler-config)
     embed_dtype: EmbedDtype = "float32"  # of the base64 bytes
     endianness: Endianness = "native"  # of the base64 bytes
@@ -48,8 +55,11 @@ class PoolingRequest(BaseModel):
     # The chat form's (vLLM's defaults: no generation prompt for an embedding).
     add_generation_prompt: bool = False
     continue_final_message: bool = False
-    chat_template: str | None = None  # refused: the model's template renders messages
-    chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=64)
+    documents: list[dict[str, str]] | None = Field(default=None, max_length=MAX_DOCUMENTS)
+    chat_template: str | None = Field(default=None, max_length=MAX_CHAT_TEMPLATE_CHARS)
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, max_length=MAX_CHAT_TEMPLATE_KWARGS
+    )
     task: Literal["embed"] | None = None  # /pooling only: the one task this server pools for
 
     @field_validator("input")
@@ -72,6 +82,17 @@ class PoolingRequest(BaseModel):
         if isinstance(items[0], int):  # one prompt given as token ids
             return [{"prompt_token_ids": items}]
         return [x if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in items]
+
+    def chat_fields(self) -> ChatTemplateFields:
+        """The chat form's template options, for ``chat_render`` (the one renderer)."""
+        return ChatTemplateFields(
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            add_special_tokens=bool(self.add_special_tokens),
+            documents=self.documents,
+            chat_template=self.chat_template,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
 
     def template_messages(self) -> list[dict[str, Any]]:
         """``messages`` for ``Tokenizer.apply_chat_template`` (developer is system there)."""

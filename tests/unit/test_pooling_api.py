@@ -105,7 +105,7 @@ def test_a_pooling_server_answers_generation_404(tmp_path: Path, path: str, body
         (
             {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"},
             "chat_template",
-            "not supported",
+            "--trust-request-chat-template",
         ),
         (
             {
@@ -113,9 +113,19 @@ def test_a_pooling_server_answers_generation_404(tmp_path: Path, path: str, body
                 "chat_template_kwargs": {"messages": []},
             },
             "chat_template_kwargs",
-            "may not set",
+            "cannot be set there",
         ),
         ({"input": "hello", "task": "classify"}, "task", "embed"),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "add_generation_prompt": True,
+                "continue_final_message": True,
+            },
+            "continue_final_message",
+            "",
+        ),
+        ({"input": "hello", "documents": [{"t": "x"}] * 10_000}, "documents", ""),
     ],
 )
 def test_bad_requests_are_refused_before_a_rank(
