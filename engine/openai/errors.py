@@ -21,9 +21,11 @@ __all__ = [
     "INVALID_GRAMMAR",
     "INVALID_TOOL_CHOICE",
     "MIN_TOKENS_ABOVE_MAX_TOKENS",
+    "PROMPT_LOGPROBS_WITH_STREAM",
     "SCHEMA_VALID_REFUSALS",
     "SSE_DONE",
     "TOKEN_OUT_OF_VOCABULARY",
+    "ZERO_MAX_TOKENS_WITHOUT_ECHO",
     "ErrorInfo",
     "ErrorResponse",
     "RequestError",
@@ -49,12 +51,19 @@ INVALID_GRAMMAR = "invalid_grammar"
 CONSTRAINT_CONFLICT = "constraint_conflict"
 INVALID_TOOL_CHOICE = "invalid_tool_choice"
 TOKEN_OUT_OF_VOCABULARY = "token_out_of_vocabulary"
+# Two fields compared, which the schema could say, but each such rule multiplies the branches
+# schemathesis must combine, and it gives up past a few: documented as codes instead.
+ZERO_MAX_TOKENS_WITHOUT_ECHO = "zero_max_tokens_without_echo"
+PROMPT_LOGPROBS_WITH_STREAM = "prompt_logprobs_with_stream"
 SCHEMA_VALID_REFUSALS: dict[str, str] = {
     TOKEN_OUT_OF_VOCABULARY: "a /detokenize id below the model's vocabulary size but not below "
     "its tokenizer's (a model whose embedding table is padded past the vocabulary)",
     CONTEXT_LENGTH_EXCEEDED: "the prompt, counted in tokens, does not leave room in the "
     "model's context (max_model_len) for max_tokens (or min_tokens) more tokens",
     MIN_TOKENS_ABOVE_MAX_TOKENS: "min_tokens is larger than max_tokens",
+    ZERO_MAX_TOKENS_WITHOUT_ECHO: "max_tokens is 0 on /v1/completions without echo: true",
+    PROMPT_LOGPROBS_WITH_STREAM: "prompt_logprobs above 0 with stream: true (as vLLM: a stream "
+    "has no place for them)",
     EMPTY_PROMPT: "the prompt's text has no token (only characters the tokenizer drops)",
     CHAT_TEMPLATE_REFUSED: "the chat template refused the conversation (for example a role or "
     "an order of roles it does not support, or chat_template_kwargs it cannot render), or the "

@@ -140,8 +140,6 @@ def _sampling_rules(
     props["stream_options"]["description"] = "only with stream: true"
     schema["allOf"] = [{"anyOf": [_absent_or_null("stream_options"), _is("stream", True)]}]
     props["prompt_logprobs"]["description"] = "not with stream: true (0 or null then)"
-    no_prompt_logprobs = {"properties": {"prompt_logprobs": {"enum": [0, None]}}}
-    schema["allOf"].append({"anyOf": [no_prompt_logprobs, {"not": _is("stream", True)}]})
     schema["allOf"] += token_control_schemas(props, vocab, chat="messages" in props)
     structured_output_rules(schema)
 
@@ -192,7 +190,6 @@ def _completion_rules(
         cases.append({"required": ["n"], "properties": {"n": n_range, "prompt": prompts}})
     rules.append({"anyOf": cases})
     props["max_tokens"]["description"] = "0 only with echo: true (the prompt alone)"
-    rules.append({"anyOf": [{"not": _is("max_tokens", 0)}, _is("echo", True)]})
     props["suffix"] = _only(["", None], "not supported: only an empty string or null")
     # The server takes best_of = n, but n > 1 would take a branch per n (and best_of is legacy).
     props["best_of"] = _only([1, None], "only equal to n (this document: 1, with n = 1)")
@@ -337,6 +334,8 @@ def openapi_document(
     requests = _schemas([p.CompletionRequest, p.ChatCompletionRequest], "validation")
     models: list[type[BaseModel]] = [p.CompletionResponse, p.ChatCompletionResponse, p.ModelList]
     responses = _schemas([*models, ErrorResponse], "serialization")
+    # Left out, not null, unless --enable-prompt-tokens-details reports a hit (as vLLM).
+    responses["UsageInfo"]["required"].remove("prompt_tokens_details")
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         _sampling_rules(requests[name], model_name, max_n, max_model_len, vocab_size)
     _completion_rules(requests["CompletionRequest"], max_n, max_model_len, vocab_size)

@@ -29,7 +29,13 @@ from pydantic import (
 from corefleet.engine.messages import FinishReason, SamplingParams, StructuredOutputsParams
 from corefleet.engine.openai import limits
 from corefleet.engine.openai.chat_render import MAX_ROLE_CHARS, ChatTemplateFields
-from corefleet.engine.openai.errors import RequestError, error_from_sampling, unsupported
+from corefleet.engine.openai.errors import (
+    PROMPT_LOGPROBS_WITH_STREAM,
+    ZERO_MAX_TOKENS_WITHOUT_ECHO,
+    RequestError,
+    error_from_sampling,
+    unsupported,
+)
 from corefleet.engine.openai.response_models import (  # noqa: F401 (re-exported)
     ChatChoice,
     ChatChunkChoice,
@@ -336,7 +342,11 @@ def to_sampling_params(
             renamed["max_tokens"] = "max_completion_tokens"
     else:
         if request.max_tokens == 0 and not request.echo:
-            raise RequestError("max_tokens=0 requires echo=true", param="max_tokens")
+            raise RequestError(
+                "max_tokens=0 requires echo=true",
+                param="max_tokens",
+                code=ZERO_MAX_TOKENS_WITHOUT_ECHO,
+            )
         if request.suffix:
             raise unsupported("suffix", "suffix")
         if request.best_of is not None and request.best_of != (request.n or 1):
@@ -348,7 +358,9 @@ def to_sampling_params(
     if request.stream:  # as vLLM: a stream has no place for them (0, asking for none, passes)
         if prompt_logprobs:
             raise RequestError(
-                "prompt_logprobs are not available when stream=true", param="prompt_logprobs"
+                "prompt_logprobs are not available when stream=true",
+                param="prompt_logprobs",
+                code=PROMPT_LOGPROBS_WITH_STREAM,
             )
         prompt_logprobs = None
     if isinstance(request, CompletionRequest) and request.echo and prompt_logprobs is None:
