@@ -23,7 +23,7 @@ rendering (:func:`render_chat`) that every endpoint taking ``messages`` shares, 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2.exceptions import SecurityError
 from pydantic import BaseModel, ConfigDict, Field
@@ -36,6 +36,9 @@ from corefleet.engine.frontend.tokenizer import (
 )
 from corefleet.engine.openai.errors import CHAT_TEMPLATE_REFUSED, RequestError
 from corefleet.engine.openai.tool_request import NO_TOOLS, ToolPlan, template_inputs
+
+if TYPE_CHECKING:  # protocol imports this module: the request type is for annotations only
+    from corefleet.engine.openai.protocol import ChatCompletionRequest
 
 # Real templates are a few KB (the largest known, tool-calling ones, about 20 KB): the bound
 # keeps compiling one a millisecond-scale task and the compiled-template cache small.
@@ -171,3 +174,16 @@ def chat_template_rules(schema: dict[str, Any]) -> None:
         "a Jinja chat template for this request: refused (chat_template_refused) unless the "
         "server runs with --trust-request-chat-template, or when it does not parse"
     )
+
+
+def response_role(body: ChatCompletionRequest) -> str:
+    """The answer's role (vLLM's): the assistant's when a new turn is opened for it, else the
+    last message's, which the model goes on writing."""
+    return "assistant" if body.opens_turn() else body.messages[-1].role
+
+
+def echoed_text(body: ChatCompletionRequest) -> str:
+    """What ``echo`` puts before the answer: the last message's content when that message has
+    the answer's role (vLLM's rule), else nothing."""
+    last = body.messages[-1]
+    return last.text() if body.echo and last.role == response_role(body) else ""

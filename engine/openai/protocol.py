@@ -277,17 +277,6 @@ class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
         """
         return [_template_message(m) for m in self.messages]
 
-    def response_role(self) -> str:
-        """The answer's role (vLLM's): the assistant's when a new turn is opened for it, else
-        the last message's, which the model goes on writing."""
-        return "assistant" if self.opens_turn() else self.messages[-1].role
-
-    def echoed_text(self) -> str:
-        """What ``echo`` puts before the answer: the last message's content when it has the
-        answer's role, else nothing."""
-        last = self.messages[-1]
-        return last.text() if self.echo and last.role == self.response_role() else ""
-
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:
     role = "system" if message.role == "developer" else message.role

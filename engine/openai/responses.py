@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from corefleet.engine.openai import protocol as p
 from corefleet.engine.openai.api_options import DEFAULT_API_OPTIONS, ApiOptions
+from corefleet.engine.openai.chat_render import echoed_text, response_role
 from corefleet.engine.openai.echo import CompletionEcho, prompt_logprobs_entries
 from corefleet.engine.openai.errors import SSE_DONE, sse_event
 from corefleet.engine.openai.logprobs import chat_logprobs, next_text_offset
@@ -245,8 +246,8 @@ async def chat_response(
         if tools.reads_calls:
             message, called = whole_message(tools, texts[i], reason)
             reason = tool_finish_reason(tools, called, reason)
-        message.role = body.response_role()
-        if echoed := body.echoed_text():  # vLLM's chat echo: the last message, then the answer
+        message.role = response_role(body)
+        if echoed := echoed_text(body):  # vLLM's chat echo: the last message, then the answer
             message.content = echoed + (message.content or "")
         choice = p.ChatChoice(
             index=i,
@@ -284,7 +285,7 @@ async def chat_chunks(
     tokens = 0
     counts = _ChoiceTokens(generation)
     prompt_ids = generation.prompt_token_ids(0) if shape.token_ids else None
-    role, echoed = body.response_role(), body.echoed_text()
+    role, echoed = response_role(body), echoed_text(body)
     async for d in _timed(metrics, generation):
         tokens += len(d.token_ids)
         counts.add(d.index, len(d.token_ids))

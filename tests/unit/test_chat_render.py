@@ -17,8 +17,10 @@ from corefleet.engine.openai.chat_render import (
     MAX_ROLE_CHARS,
     UNTRUSTED_TEMPLATE,
     check_chat_template_fields,
+    echoed_text,
     render_chat,
     render_chat_tokens,
+    response_role,
 )
 from corefleet.engine.openai.errors import CHAT_TEMPLATE_REFUSED, RequestError, parse_request
 from corefleet.engine.openai.extra_fields import check_extra_fields
@@ -259,11 +261,11 @@ def test_echo_and_response_role() -> None:
     continued = request(
         messages=[USER, PARTIAL], add_generation_prompt=False, continue_final_message=True
     )
-    assert continued.response_role() == "assistant" and continued.echoed_text() == ""
+    assert response_role(continued) == "assistant" and echoed_text(continued) == ""
     echoed = continued.model_copy(update={"echo": True})
-    assert echoed.echoed_text() == PARTIAL["content"]
+    assert echoed_text(echoed) == PARTIAL["content"]
     # A new assistant turn after a user message: the last message is not the answer's role.
-    assert request(echo=True).echoed_text() == ""
+    assert echoed_text(request(echo=True)) == ""
     # Without a generation prompt the answer goes on in the last message's role (vLLM's).
     own = request(echo=True, add_generation_prompt=False)
-    assert (own.response_role(), own.echoed_text()) == ("user", USER["content"])
+    assert (response_role(own), echoed_text(own)) == ("user", USER["content"])
