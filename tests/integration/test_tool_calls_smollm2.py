@@ -123,7 +123,7 @@ def test_auto_required_and_named_tool_calls() -> None:
         (call,) = required.message.tool_calls or []
         _valid_call(call.function.name, call.function.arguments)
 
-        # A named function, streamed: its arguments arrive in pieces and validate.
+        # A named function, streamed: its call arrives whole, and validates.
         named: Any = {"type": "function", "function": {"name": "get_time"}}
         content, calls, finish = _streamed_calls(
             client.chat.completions.create(messages=question, tool_choice=named, stream=True, **ask)
