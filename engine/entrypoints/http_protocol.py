@@ -106,7 +106,9 @@ class CoordinatorProtocol(HttpToolsProtocol):
     routes: NativeRoutes | None = None
     max_body_bytes = 4 * 1024 * 1024
     body_timeout_s = 30.0
-    root_path = ""  # --root-path: a path under it is routed without it (as the app does)
+    # --root-path: a path under it is routed without it, as the app routes it. Not uvicorn's
+    # own root_path (an instance attribute of its protocol, which would prefix every ASGI path).
+    route_root = ""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -263,7 +265,7 @@ class CoordinatorProtocol(HttpToolsProtocol):
         """The path of a request this protocol serves itself, or None for uvicorn's ASGI."""
         if self.routes is None or self.parser.get_method() != b"POST":
             return None
-        path = route_path(self.url.partition(b"?")[0].decode("latin-1"), self.root_path)
+        path = route_path(self.url.partition(b"?")[0].decode("latin-1"), self.route_root)
         if path not in self.routes.endpoints or self.parser.should_upgrade():
             return None
         if self.cycle is not None and not self.cycle.response_complete:
@@ -386,6 +388,6 @@ def coordinator_protocol(
         "routes": routes,
         "max_body_bytes": max_body_bytes,
         "body_timeout_s": body_timeout_s,
-        "root_path": root_path,
+        "route_root": root_path,
     }
     return type("CoordinatorProtocol", (CoordinatorProtocol,), attributes)

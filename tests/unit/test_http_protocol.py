@@ -66,7 +66,7 @@ class Server:
     ``GET /ping`` and, as ``api_server.build_app`` does, the generation POSTs that the protocol
     leaves to ASGI (those pipelined behind another request)."""
 
-    def __init__(self, routes: EchoRoutes, limits: RequestLimits) -> None:
+    def __init__(self, routes: EchoRoutes, limits: RequestLimits, root_path: str = "") -> None:
         fastapi = FastAPI()
 
         @fastapi.get("/ping")
@@ -82,7 +82,9 @@ class Server:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = int(s.getsockname()[1])
-        config = uvicorn_config(app, "127.0.0.1", self.port, limits, 5.0, routes=routes)
+        config = uvicorn_config(
+            app, "127.0.0.1", self.port, limits, 5.0, routes=routes, root_path=root_path
+        )
         self.uvicorn = uvicorn.Server(config)
         self.thread = threading.Thread(target=lambda: asyncio.run(self.uvicorn.serve()))
 
@@ -185,6 +187,21 @@ def test_generation_posts_are_answered_on_a_kept_alive_connection(server: Server
                 "body": {"i": i},
                 "authorization": "Bearer k",
             }
+
+
+def test_generation_posts_under_the_root_path_are_answered_natively(routes: EchoRoutes) -> None:
+    # --root-path: the protocol serves the prefixed path itself, routed without the prefix
+    # (through ASGI the echo would say the whole path); a path merely starting with the
+    # prefix's letters is not under it.
+    limits = RequestLimits(max_request_body_bytes=4096, body_timeout_s=1.0, header_timeout_s=1.0)
+    with Server(routes, limits, root_path="/llm") as running, running.connect() as sock:
+        reader = Reader(sock)
+        for path in ("/llm" + GENERATION, GENERATION):
+            sock.sendall(post({"i": 1}, path=path))
+            status, _, body = reader.response()
+            assert status == 200 and json.loads(body)["path"] == GENERATION, path
+        sock.sendall(post({"i": 1}, path="/llmx" + GENERATION))
+        assert reader.response()[0] == 404  # FastAPI's: no such route
 
 
 def test_pipelined_requests_are_answered_in_their_order(server: Server) -> None:
