@@ -32,6 +32,7 @@ from corefleet.engine.openai.limits import RequestLimits
 from corefleet.engine.openai.openapi_admin import REF_TEMPLATE, Schema, hand_written_schemas
 from corefleet.engine.openai.openapi_admin import component_ref as _ref
 from corefleet.engine.openai.openapi_pooling import pooling_document
+from corefleet.engine.openai.openapi_responses import responses_paths, responses_schemas
 from corefleet.engine.openai.openapi_structured import structured_output_rules
 from corefleet.engine.openai.openapi_utility import utility_paths, utility_schemas
 from corefleet.engine.openai.token_request import token_control_schemas
@@ -344,7 +345,13 @@ def openapi_document(
     # request, whose patched form must win.
     utility = utility_schemas(model_name, vocab_size)
     schemas = utility | requests | responses | _stream_schemas(responses) | hand_written_schemas()
-    components = {"schemas": schemas, "responses": _responses(limits or RequestLimits())}
+    schemas |= responses_schemas()
+    answers = _responses(limits or RequestLimits())
+    answers["ResponseNotFound"] = _error(
+        "No response with this id is stored by this coordinator process (code "
+        "`response_not_found`)"
+    )
+    components = {"schemas": schemas, "responses": answers}
     if auth:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     description = (
@@ -353,7 +360,7 @@ def openapi_document(
         f"document is accepted, or refused {_REFUSALS}."
     )
     info = {"title": "corefleet", "version": _VERSION, "description": description}
-    paths = _paths(auth) | utility_paths(auth, tokenizer_info)
+    paths = _paths(auth) | utility_paths(auth, tokenizer_info) | responses_paths(auth)
     return {"openapi": "3.1.0", "info": info, "paths": paths, "components": components}
 
 

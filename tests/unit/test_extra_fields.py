@@ -11,6 +11,7 @@ import pytest
 from corefleet.engine.openai import protocol as p
 from corefleet.engine.openai.errors import RequestError, parse_request
 from corefleet.engine.openai.extra_fields import REFUSED, check_extra_fields
+from corefleet.engine.openai.responses_models import ResponsesRequest
 
 COMPLETION = {"model": "m", "prompt": "x"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -26,7 +27,7 @@ def _extra(body: dict[str, object], chat: bool = False) -> dict[str, object] | N
     [
         ("tool_choice", "required"),
         ("tool_choice", {"type": "function", "function": {"name": "f"}}),
-        ("use_beam_search", True),
+        ("vllm_xargs", {"x": 1}),
         ("logits_processors", ["x"]),
         ("modalities", ["text", "audio"]),
         ("add_special_tokens", False),
@@ -44,7 +45,7 @@ def test_a_field_that_changes_the_answer_is_a_400_naming_it(field: str, value: o
     [
         ("tool_choice", "none"),
         ("tool_choice", "auto"),
-        ("use_beam_search", False),
+        ("vllm_xargs", {}),
         ("logits_processors", []),
         ("modalities", ["text"]),
         ("add_special_tokens", True),
@@ -72,7 +73,8 @@ def test_the_chat_template_fields_are_declared_not_extra() -> None:
 def test_a_true_is_not_taken_for_a_one() -> None:
     # JSON's 1 and true differ; a harmless false must not let 0 through as false.
     with pytest.raises(RequestError):
-        check_extra_fields(_extra({**COMPLETION, "use_beam_search": 0}), "completions")
+        check_extra_fields({"background": 0}, "responses")
+    check_extra_fields({"background": False}, "responses")
 
 
 def test_unknown_fields_are_ignored_and_named_in_bounded_space(
@@ -95,6 +97,7 @@ def test_every_refused_field_is_one_no_request_model_declares() -> None:
     declared = {
         "completions": set(p.CompletionRequest.model_fields),
         "chat": set(p.ChatCompletionRequest.model_fields),
+        "responses": set(ResponsesRequest.model_fields),
     }
     for endpoint, rules in REFUSED.items():
         assert not declared[endpoint] & set(rules), endpoint
