@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Protocol
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
 from corefleet.engine.openai.errors import RequestError
 from corefleet.engine.token_controls import (
@@ -23,8 +23,14 @@ from corefleet.engine.token_controls import (
 # A response's top_k that keeps every logprob the engine reported (logprob_token_ids).
 ALL_REPORTED = 2**63 - 1
 
+
 # Declared field types of the request models (protocol.py), bounded before anything is built.
-TokenId = Annotated[int, Field(ge=0, le=2**63 - 1)]
+def _whole(value: Any) -> Any:
+    """``5.0`` as ``5``: JSON does not tell an integral number's spellings apart."""
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
+TokenId = Annotated[int, Field(ge=0, le=2**63 - 1), BeforeValidator(_whole)]
 LogitBias = Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_TOKENS)]
 AllowedTokenIds = Annotated[list[TokenId], Field(max_length=MAX_ALLOWED_TOKEN_IDS)]
 BadWords = Annotated[

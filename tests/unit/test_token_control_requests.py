@@ -3,6 +3,7 @@ absurd values (a 400 naming the field, never an engine error)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from corefleet.engine.openai.protocol import (
     CompletionRequest,
     to_sampling_params,
 )
+from corefleet.engine.openai.token_request import below_pattern
 from corefleet.engine.token_controls import (
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS_TOKENS,
@@ -122,3 +124,18 @@ def test_logprob_token_ids_replace_the_top_n_and_need_logprobs() -> None:
 )
 def test_absurd_values_are_a_400_naming_the_field(fields: dict[str, Any], param: str) -> None:
     assert _refused(CompletionRequest, {**COMPLETION, **fields}).param == param
+
+
+@pytest.mark.parametrize("n", [1, 2, 10, 11, 57, 100, 320, 1001])
+def test_the_documented_logit_bias_keys_are_exactly_the_vocabulary(n: int) -> None:
+    pattern = re.compile(below_pattern(n))
+    assert [i for i in range(3 * n + 20) if pattern.match(str(i))] == list(range(n))
+    assert not pattern.match("01") and not pattern.match("-1") and not pattern.match("")
+
+
+def test_integral_floats_are_token_ids() -> None:
+    params = _params(CompletionRequest, {**COMPLETION, "allowed_token_ids": [2.0, 3]})
+    assert params.allowed_token_ids == [2, 3]
+    assert _refused(CompletionRequest, {**COMPLETION, "allowed_token_ids": [2.5]}).param == (
+        "allowed_token_ids"
+    )
