@@ -253,7 +253,7 @@ def _encode(vector: np.ndarray, body: PoolingRequest) -> list[float] | str:
     """A vector as the response carries it: floats, or its bytes in ``embed_dtype`` and
     ``endianness``, base64-encoded (what the OpenAI client decodes with float32 defaults)."""
     if body.encoding_format == "float":
-        return vector.tolist()  # type: ignore[no-any-return]
+        return list(vector.tolist())
     order = {"native": "=", "big": ">", "little": "<"}[body.endianness]
     kind = {"float32": "f4", "float16": "f2"}[body.embed_dtype]
     return base64.b64encode(vector.astype(order + kind).tobytes()).decode()

@@ -46,9 +46,11 @@ def pool_vector(
     elif kind == "MEAN":
         total = hidden.float().sum(dim=0)
         vector = (total if kept is None else kept + total) / num_positions
-    else:  # CLS: the first position, kept when it was computed in an earlier chunk
-        vector = hidden[0].float() if first_position == 0 else kept
-        assert vector is not None, "CLS pooling needs position 0's hidden state"
+    elif first_position == 0:  # CLS: the first position
+        vector = hidden[0].float()
+    else:  # CLS, its first position computed in an earlier chunk
+        assert kept is not None, "CLS pooling needs position 0's hidden state"
+        vector = kept
     if params.dimensions is not None:
         vector = vector[: params.dimensions]
     if params.use_activation:
