@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 import pytest
 
+from corefleet.engine.cli import build_parser
+from corefleet.engine.entrypoints.coordinator import CoordinatorOptions
 from corefleet.engine.messages import SamplingParams, StructuredOutputsParams
 from corefleet.engine.openai import limits
 from corefleet.engine.openai.errors import RequestError
@@ -18,6 +21,7 @@ from corefleet.engine.openai.protocol import (
 from corefleet.engine.openai.structured_options import (
     StructuredOutputsConfig,
     parse_structured_outputs_config,
+    structured_outputs_config_from_args,
 )
 from corefleet.engine.openai.structured_request import check_constraint
 from corefleet.engine.structured_output.grammars import MAX_GBNF_CHARS
@@ -175,3 +179,16 @@ def test_the_server_flag_reads_vllm_s_json() -> None:
     ):
         with pytest.raises(ValueError, match="--structured-outputs-config"):
             parse_structured_outputs_config(bad)
+
+
+def test_the_flag_reaches_the_coordinator_options_of_both_commands() -> None:
+    flag = ("--structured-outputs-config", '{"disable_additional_properties": false}')
+    for command in (["serve"], ["coordinator"]):
+        args = build_parser().parse_args([*command, *flag])
+        assert not structured_outputs_config_from_args(args).disable_additional_properties
+        plain = build_parser().parse_args(command)
+        assert structured_outputs_config_from_args(plain) == StructuredOutputsConfig()
+    # Each extra API server gets its options as JSON (api_servers): the option survives it.
+    options = CoordinatorOptions(structured_outputs=StructuredOutputsConfig(False))
+    decoded = msgspec.json.decode(msgspec.json.encode(options), type=CoordinatorOptions)
+    assert decoded.structured_outputs == StructuredOutputsConfig(False)
