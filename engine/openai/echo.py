@@ -98,12 +98,14 @@ class CompletionEcho:
             next_text_offset(scored, next_text_offset(result)),
             as_ids,
         )
-        for part in (scored, output):
-            result.tokens += part.tokens
-            result.token_logprobs += part.token_logprobs
-            result.top_logprobs += part.top_logprobs
-            result.text_offset += part.text_offset
-        return result
+        parts = (result, scored, output)
+        # Built anew, not extended, so that the model's validators clamp -inf to -9999.0.
+        return p.CompletionLogprobs(
+            tokens=[t for part in parts for t in part.tokens],
+            token_logprobs=[x for part in parts for x in part.token_logprobs],
+            top_logprobs=[x for part in parts for x in part.top_logprobs],
+            text_offset=[x for part in parts for x in part.text_offset],
+        )
 
     def _first_prompt_token(
         self, token_id: int, text_offset: int, as_ids: bool
