@@ -47,7 +47,6 @@ def _empty(value: Any) -> bool:
 # Both endpoints. vLLM's names first, then OpenAI's.
 _COMMON: dict[str, Refused] = {
     "logits_processors": Refused("logits processors", _empty),
-    "truncate_prompt_tokens": Refused("prompt truncation"),
     "vllm_xargs": Refused("vllm_xargs (custom sampling extensions)", _empty),
     "spaces_between_special_tokens": Refused("spaces_between_special_tokens"),
     "functions": Refused("function calling", _empty),

@@ -40,6 +40,7 @@ from corefleet.engine.openai.server_state import ServerState
 from corefleet.engine.openai.serving import Generation
 from corefleet.engine.openai.structured_request import check_constraint, constraint_chars
 from corefleet.engine.openai.tool_request import NO_TOOLS, ToolPlan, plan_tools
+from corefleet.engine.openai.truncation import longest_prompt, truncated
 
 # Prompts up to this many characters are tokenized on the event loop: ~0.1 ms at most, less
 # than a hand-off to a worker thread and back.
@@ -228,15 +229,18 @@ async def _start(
     """Tokenize and validate, then start the generation. Long prompts go to a worker thread
     (tokenizing them takes a while and must not stall every other request); short ones are
     tokenized at once, since handing them to a thread costs more than tokenizing them."""
-    params = p.to_sampling_params(
-        body, info.vocab_size, tools.constraint, state.structured_outputs
-    )
+    params = p.to_sampling_params(body, info.vocab_size, tools.constraint, state.structured_outputs)
     inputs = InputProcessor(state.tokenizer, info.max_model_len, info.vocab_size)
     request_id = Generation.new_id()
 
+    keep = longest_prompt(body.truncate_prompt_tokens, info.max_model_len)
+
     def build() -> Generation:
         check_constraint(params.structured_outputs, body)  # a grammar's own check: a 400
-        rendered = [_render(state.tokenizer, inputs, x) for x in prompts]
+        rendered = [_render(state.tokenizer, inputs, x, keep is None) for x in prompts]
+        if keep is not None:
+            side = body.truncation_side
+            rendered = [truncated(state.tokenizer, x, keep, side) for x in rendered]
         return Generation(state.fleet, state.tokenizer, inputs, rendered, params, request_id)
 
     try:
@@ -276,11 +280,17 @@ def _blamed_field(body: p.CompletionRequest | p.ChatCompletionRequest, message: 
     return "messages" if isinstance(body, p.ChatCompletionRequest) else "prompt"
 
 
-def _render(tokenizer: Tokenizer, inputs: InputProcessor, prompt: Any) -> Any:
+def _render(
+    tokenizer: Tokenizer, inputs: InputProcessor, prompt: Any, check_length: bool = True
+) -> Any:
+    """A chat prompt rendered and tokenized; a text or token-id prompt as it is.
+    ``check_length``: refuse a text too long for the context before tokenizing it (not when
+    the prompt is to be truncated)."""
     if not isinstance(prompt, _ChatPrompt):
         return prompt
     text = render_chat(tokenizer, prompt.messages, prompt.fields, prompt.tools)
-    inputs.check_text_length(text)
+    if check_length:
+        inputs.check_text_length(text)
     ids = tokenizer.encode(text, add_special_tokens=bool(prompt.fields.add_special_tokens))
     return {"prompt": text, "prompt_token_ids": ids}
 

@@ -196,6 +196,9 @@ class _SamplingRequest(BaseModel):
     # the prompt's and the answer's token ids in the response.
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
+    # vLLM's: a longer prompt keeps its last (truncation_side "right": first) tokens.
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=limits.INT64_MAX), _WHOLE] | None = None
+    truncation_side: Literal["left", "right"] | None = None
     # vLLM's beam search (beam_api.py): n beams; length_penalty weighs length in the ranking.
     use_beam_search: bool | None = False
     length_penalty: float | None = None

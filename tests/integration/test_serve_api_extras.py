@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name a colour."}]
 FLAGS = (
-    *("--dtype", "float32", "--kv-cache-memory", str(256 << 20)),
+    *("--dtype", "float32", "--kv-cache-memory", str(256 << 20), "--max-model-len", "512"),
     *("--return-tokens-as-token-ids", "--enable-force-include-usage"),
 )
 
@@ -127,3 +127,29 @@ def test_prompt_embeds_are_refused_not_dropped(base: str) -> None:
     reply = _post(base, "/v1/completions", {"prompt": PROMPT, "prompt_embeds": "AAAA"})
     assert reply.status_code == 400
     assert reply.json()["error"]["param"] == "prompt_embeds"
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(base: str, tokenizer: Tokenizer) -> None:
+    long = "one two three four five six seven eight nine ten " * 10
+    ids = tokenizer.encode(long)
+    body = {"prompt": long, "max_tokens": 1, "return_token_ids": True}
+    left = _post(base, "/v1/completions", body | {"truncate_prompt_tokens": 7}).json()
+    assert left["choices"][0]["prompt_token_ids"] == ids[-7:]
+    assert left["usage"]["prompt_tokens"] == 7
+    right = _post(
+        base, "/v1/completions", body | {"truncate_prompt_tokens": 7, "truncation_side": "right"}
+    ).json()
+    assert right["choices"][0]["prompt_token_ids"] == ids[:7]
+    # Longer than the context: refused as it is, kept to the context's size with -1.
+    huge = {"prompt": long * 10, "max_tokens": 1}
+    refused = _post(base, "/v1/completions", huge)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt"
+    kept = _post(base, "/v1/completions", huge | {"truncate_prompt_tokens": -1}).json()
+    assert kept["usage"]["prompt_tokens"] == 511
+    chat = {"messages": [{"role": "user", "content": long}], "max_tokens": 1}
+    cut = _post(base, "/v1/chat/completions", chat | {"truncate_prompt_tokens": 9}).json()
+    assert cut["usage"]["prompt_tokens"] == 9
+    for bad in (0, -2, 512, 2**70):
+        reply = _post(base, "/v1/completions", body | {"truncate_prompt_tokens": bad})
+        assert reply.status_code == 400
+        assert reply.json()["error"]["param"] == "truncate_prompt_tokens"
