@@ -99,6 +99,7 @@ def finish_pooled(
             finish_reason=FinishReason.STOP,
             num_cached_tokens=max(0, request.num_cached_tokens),
             pooling_output=vector,
+            events=request.take_events(),  # for the request-level metrics
         )
         outputs.setdefault(request.client_index, []).append(output)
         stopped.append(request)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from corefleet.engine.coordinator.fleet_client import FleetClient
+from corefleet.engine.messages import EngineCoreRequest
 from corefleet.engine.openai.admission import InFlightLimiter
 from corefleet.engine.openai.metrics_fleet import AdmissionCollector, FleetCollector
 from corefleet.engine.openai.request_metrics import RequestStats
@@ -200,7 +201,12 @@ class ServingMetrics:
 
     def request_stats(self, generation: Generation) -> RequestStats:
         """A new observer of ``generation``'s outputs, for its request-level metrics."""
-        return RequestStats(self, generation)
+        params = generation.params
+        return RequestStats(self, generation.engine_requests, params.n, generation.parent_of)
+
+    def pooling_stats(self, requests: Sequence[EngineCoreRequest]) -> RequestStats:
+        """A new observer of pooling requests' outputs (one vector each)."""
+        return RequestStats(self, requests, pooling=True)
 
     def watch_admission(self, limiter: InFlightLimiter) -> None:
         """Export ``limiter``'s completions in flight and its refusals."""

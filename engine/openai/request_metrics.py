@@ -15,21 +15,23 @@ Each engine request (a choice: one sample of one prompt) is followed from its ou
 
 A request's finish is the engine's, or the coordinator's for a stop string; the per-prompt
 figures (``n`` and the longest of its samples) are recorded when its last sample finishes.
-A request whose client went away before its end is not counted.
+A request whose client went away before its end is not counted. A pooling request (an
+embedding) counts as vLLM counts it: its prompt, its phases (its vector is its "first token"),
+its finish; no generated tokens and no sampling parameters.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from corefleet.engine.coordinator.fleet_client import StampedOutput
-from corefleet.engine.messages import EngineCoreEventType
+from corefleet.engine.messages import EngineCoreEventType, EngineCoreRequest
 
 if TYPE_CHECKING:
     from corefleet.engine.openai.metrics import ServingMetrics
-    from corefleet.engine.openai.serving import Generation
 
 _QUEUED = EngineCoreEventType.QUEUED
 _SCHEDULED = EngineCoreEventType.SCHEDULED
@@ -59,18 +61,27 @@ class _Prompt:
 
 
 class RequestStats:
-    """Observes one :class:`Generation`'s outputs and records them in ``metrics``."""
+    """Observes the outputs of one user request's engine requests (a generation's samples,
+    ``parent_of`` naming each one's prompt, or pooling requests) and records them."""
 
-    def __init__(self, metrics: ServingMetrics, generation: Generation) -> None:
+    def __init__(
+        self,
+        metrics: ServingMetrics,
+        requests: Sequence[EngineCoreRequest],
+        n: int = 1,
+        parent_of: Callable[[str], str] = str,
+        pooling: bool = False,
+    ) -> None:
         self.metrics = metrics
         self.arrival = time.monotonic()
-        self.n = generation.params.n
+        self.n, self.pooling = n, pooling
         self.samples: dict[str, _Sample] = {}
         self.prompts: dict[str, _Prompt] = {}
-        for request in generation.engine_requests:
-            parent = generation.parent_of(request.request_id)
+        for request in requests:
+            parent = parent_of(request.request_id)
+            max_tokens = None if pooling else request.sampling_params.max_tokens
             self.samples[request.request_id] = _Sample(
-                parent, len(request.prompt_token_ids), request.sampling_params.max_tokens
+                parent, len(request.prompt_token_ids), max_tokens
             )
             prompt = self.prompts.setdefault(parent, _Prompt(0))
             prompt.unfinished += 1
@@ -94,6 +105,11 @@ class RequestStats:
         num_new = len(output.new_token_ids)
         if num_new and rank >= 0:
             self._tokens(sample, engine, num_new, engine_time, output.num_cached_tokens)
+        elif self.pooling and output.pooling_output is not None and rank >= 0:
+            # The vector ends the prefill: count the prompt, and time it as a first token.
+            self.metrics.prompt_tokens(engine).inc(sample.num_prompt_tokens)
+            self.metrics.prompt_tokens_cached(engine).inc(output.num_cached_tokens)
+            sample.first_token_ts = sample.last_token_ts = engine_time
         if finish_reason is not None:
             self._finish(sample, engine, finish_reason)
 
@@ -131,6 +147,8 @@ class RequestStats:
         histograms = metrics.tokens()
         histograms.prompt(engine).observe(sample.num_prompt_tokens)
         histograms.generation(engine).observe(sample.num_generation_tokens)
+        if self.pooling:
+            return
         if sample.max_tokens is not None:
             histograms.max_tokens(engine).observe(sample.max_tokens)
         prompt = self.prompts[sample.parent]

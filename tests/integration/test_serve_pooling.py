@@ -142,3 +142,34 @@ def test_openapi_describes_the_pooling_routes(base: str) -> None:
     ok = paths["/pooling"]["post"]["responses"]["200"]["content"]["application/json"]
     assert ok["schema"]["$ref"] == "#/components/schemas/PoolingResponse"
     assert {"EmbeddingResponse", "PoolingData", "ChatMessage"} <= set(schemas)
+
+
+def _metric(base: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    )
+
+
+def test_pooling_requests_count_in_vllms_request_metrics(base: str) -> None:
+    """As vLLM: a pooling request counts as a finished request with its prompt and no
+    generated token."""
+    names = (
+        ("vllm:request_success_total", {"finished_reason": "stop"}),
+        ("vllm:prompt_tokens_total", {}),
+        ("vllm:generation_tokens_total", {}),
+        ("vllm:request_prompt_tokens_count", {}),
+        ("vllm:request_prefill_time_seconds_count", {}),
+        ("vllm:request_params_n_count", {}),
+    )
+    before = [_metric(base, name, **labels) for name, labels in names]
+    reply = httpx.post(f"{base}/v1/embeddings", json={"input": TEXTS[:2]}, timeout=120)
+    assert reply.status_code == 200
+    prompt_tokens = reply.json()["usage"]["prompt_tokens"]
+    after = [_metric(base, name, **labels) for name, labels in names]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [2, prompt_tokens, 0, 2, 2, 0]

@@ -15,6 +15,7 @@ from corefleet.engine.messages import (
     EngineCoreEventType,
     EngineCoreOutput,
     EngineCoreRequest,
+    FinishReason,
     SamplingParams,
 )
 from corefleet.engine.openai.metrics import ServingMetrics, build_1_2_5_buckets
@@ -199,3 +200,31 @@ def test_a_request_the_fleet_failed_counts_as_an_error(metrics: ServingMetrics) 
     assert _sample(metrics, "vllm:request_queue_time_seconds_count", engine="") == 0
     assert _sample(metrics, "vllm:request_generation_tokens_count", engine="") == 1
     assert b"vllm:request_success_total" in metrics.render()
+
+
+def test_a_pooling_request_counts_its_prompt_and_phases_without_tokens(
+    metrics: ServingMetrics,
+) -> None:
+    request = EngineCoreRequest("e-0", [1, 2, 3], SamplingParams(max_tokens=1))
+    stats = metrics.pooling_stats([request])
+    vector = EngineCoreOutput(
+        "e-0",
+        [],
+        finish_reason=FinishReason.STOP,
+        num_cached_tokens=1,
+        pooling_output=b"\0\0\0\0",
+        events=[EngineCoreEvent(QUEUED, 1.0), EngineCoreEvent(SCHEDULED, 1.5)],
+    )
+    stats.observe(StampedOutput(vector, 0, 2.5), "stop")
+    engine = {"engine": "0"}
+    assert _sample(metrics, "vllm:request_success_total", finished_reason="stop", **engine) == 1
+    assert _sample(metrics, "vllm:prompt_tokens_total", **engine) == 3
+    assert _sample(metrics, "vllm:prompt_tokens_cached_total", **engine) == 1
+    assert _sample(metrics, "vllm:generation_tokens_total", **engine) == 0
+    assert _sample(metrics, "vllm:request_queue_time_seconds_sum", **engine) == 0.5
+    assert _sample(metrics, "vllm:request_prefill_time_seconds_sum", **engine) == 1.0
+    assert _sample(metrics, "vllm:request_decode_time_seconds_sum", **engine) == 0.0
+    assert _sample(metrics, "vllm:time_to_first_token_seconds_count", **engine) == 0
+    # No sampling: neither n nor max_tokens is a parameter of it.
+    assert _sample(metrics, "vllm:request_params_n_count", **engine) == 0
+    assert _sample(metrics, "vllm:request_params_max_tokens_count", **engine) == 0
