@@ -93,12 +93,15 @@ def corefleet_argv(
     model: Path, threads: int, slots: int, ctx_per_slot: int, block_size: int, extra: list[str]
 ) -> list[str]:
     """``corefleet serve`` with ``slots`` sequences and a KV cache of the same total tokens as
-    llama-server's: ``slots * ctx_per_slot / block_size`` blocks, plus block 0 (reserved)."""
+    llama-server's: ``slots * ctx_per_slot / block_size`` blocks, plus block 0 (reserved), of
+    the same bytes per value (bfloat16 against its f16; ``auto`` would be the float32 model's
+    dtype). ``extra`` comes last, so it may override any of these."""
     blocks = slots * ctx_per_slot // block_size + 1
     argv = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else [])]
     argv += ["-m", "corefleet.engine.cli", "serve", "--model", str(model)]
     argv += ["--max-num-seqs", str(slots), "--max-model-len", str(ctx_per_slot)]
     argv += ["--block-size", str(block_size), "--num-gpu-blocks-override", str(blocks)]
+    argv += ["--kv-cache-dtype", "bfloat16"]
     cores = sorted(os.sched_getaffinity(0))
     if threads < len(cores):  # corefleet runs one thread per core of its rank's CPU set
         argv += ["--rank-cpu-sets", ",".join(map(str, cores[:threads]))]
