@@ -359,10 +359,13 @@ class ModelRunner:
 
 
 def _needs_history(states: list[RequestState]) -> bool:
+    """Whether some row's sampling reads the tokens so far: penalties, and bad words (whose
+    last token is banned after the rest of the word)."""
     return any(
         s.sampling_params.presence_penalty
         or s.sampling_params.frequency_penalty
         or s.sampling_params.repetition_penalty != 1.0
+        or s.sampling_params.bad_words_token_ids
         for s in states
     )
 

@@ -159,14 +159,19 @@ def test_the_offline_llm_takes_the_same_fields(ids: dict[str, int]) -> None:
             ),
             SamplingParams(max_tokens=12, temperature=0.0, bad_words=["Paris"]),
             SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=[ids[" London"]]),
+            # Two tokens, " Paris" then ".": the second is banned only after the first.
+            SamplingParams(max_tokens=4, temperature=0.0, bad_words=["Paris."]),
+            SamplingParams(max_tokens=4, temperature=0.0),
         ]
         # One batch: rows with different controls side by side.
-        outs = [o.outputs[0] for o in llm.generate([PROMPT] * 4, params, use_tqdm=False)]
+        outs = [o.outputs[0] for o in llm.generate([PROMPT] * 6, params, use_tqdm=False)]
         assert outs[0].text == " banana banana banana"
         assert re.fullmatch("[AB]{8}", outs[1].text)
         assert "Paris" not in outs[2].text
         assert outs[3].logprobs is not None
         assert set(outs[3].logprobs[0]) == {ids[" Paris"], ids[" London"]}
+        assert outs[5].text.startswith(" Paris.")
+        assert outs[4].text.startswith(" Paris") and not outs[4].text.startswith(" Paris.")
         with pytest.raises(ValueError, match="allowed_token_ids"):
             llm.generate(PROMPT, SamplingParams(allowed_token_ids=[]), use_tqdm=False)
     finally:
