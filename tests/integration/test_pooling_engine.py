@@ -198,3 +198,32 @@ def test_bad_pooler_config_names_the_key(text: str, message: str) -> None:
         EngineConfig.from_kwargs(runner="pooling", pooler_config=text)
     with pytest.raises(ValueError, match="runner"):
         EngineConfig.from_kwargs(runner="draft")
+
+
+def test_preempted_requests_pool_from_scratch(core, hidden_states) -> None:  # type: ignore[no-untyped-def]
+    """Requests preempted mid-prompt (every running one, as a prefix-cache reset with
+    reset_running_requests does) are computed again: MEAN's running sum and CLS's first state
+    restart with them."""
+    kinds = ("MEAN", "CLS", "LAST")
+    for kind in kinds:
+        params = PoolingParams(pooling_type=kind)  # type: ignore[arg-type]
+        core.add_request(
+            EngineCoreRequest(kind, PROMPT, Sampling(max_tokens=1), pooling_params=params)
+        )
+    core.step()
+    core.step()  # MEAN has 32 of its 45 tokens, the others wait
+    running = [r.request_id for r in core.scheduler.running]
+    assert running and all(core.scheduler.requests[r].num_computed_tokens < 45 for r in running)
+    preemptions = core.scheduler.num_preemptions
+    assert core.scheduler.reset_prefix_cache(reset_running_requests=True)
+    assert core.scheduler.num_preemptions > preemptions
+    finished: dict[str, EngineCoreOutput] = {}
+    for _ in range(100):
+        outputs, _ = core.step()
+        for batch in outputs.values():
+            finished |= {o.request_id: o for o in batch.outputs if o.finished}
+        if len(finished) == len(kinds):
+            break
+    for kind in kinds:
+        want = _expected(hidden_states(PROMPT), kind, True, None)
+        np.testing.assert_allclose(_vector(finished[kind]), want, atol=1e-4)
