@@ -87,8 +87,10 @@ class InputProcessor:
         prompt: ProcessedPrompt,
         params: SamplingParams,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> list[EngineCoreRequest]:
-        """One engine request per sample (``n`` of them), ids ``{i}_{request_id}`` when n > 1."""
+        """One engine request per sample (``n`` of them), ids ``{i}_{request_id}`` when n > 1.
+        ``cache_salt``: the prompt shares cached KV blocks only with requests of the same salt."""
         params.validate(self.vocab_size)
         params = self._tokenize_bad_words(params)
         try:
@@ -100,16 +102,20 @@ class InputProcessor:
         params = self._resolve_max_tokens(len(prompt.prompt_token_ids), params)
         now = time.time()
         if params.n == 1:
-            return [EngineCoreRequest(request_id, prompt.prompt_token_ids, params, now, priority)]
+            return [
+                EngineCoreRequest(
+                    request_id, prompt.prompt_token_ids, params, now, priority, cache_salt
+                )
+            ]
         requests = []
         for i in range(params.n):
             # Each sample gets its own seed so that seeded n>1 requests are not n copies.
-            # Modulo: seeds stay in [0, 2**63) even next to the top one.
-            seed = None if params.seed is None else (params.seed + i) % 2**63
+            # Wrapped: seeds stay 64-bit signed integers even next to the top one.
+            seed = None if params.seed is None else _wrap_int64(params.seed + i)
             child = msgspec.structs.replace(params, n=1, seed=seed)
             requests.append(
                 EngineCoreRequest(
-                    f"{i}_{request_id}", prompt.prompt_token_ids, child, now, priority
+                    f"{i}_{request_id}", prompt.prompt_token_ids, child, now, priority, cache_salt
                 )
             )
         return requests
@@ -146,3 +152,8 @@ class InputProcessor:
                 "tokens can be generated"
             )
         return params
+
+
+def _wrap_int64(value: int) -> int:
+    """``value`` wrapped into the signed 64-bit range (two's complement)."""
+    return (value + 2**63) % 2**64 - 2**63

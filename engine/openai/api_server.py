@@ -16,6 +16,7 @@ reach this app (the coordinator's HTTP protocol serves them without ASGI:
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,6 +29,7 @@ from corefleet.engine.openai.front import ApiFront, Endpoint, error_response, re
 from corefleet.engine.openai.generation_api import Endpoint as GenerationEndpoint
 from corefleet.engine.openai.generation_api import GenerationApi
 from corefleet.engine.openai.openapi import served_openapi
+from corefleet.engine.openai.responses_api import ResponsesApi
 from corefleet.engine.openai.server_state import ServerState
 from corefleet.engine.openai.utility_api import add_utility_routes
 
@@ -51,12 +53,22 @@ def build_app(state: ServerState, api: GenerationApi | None = None) -> ApiFront:
     # request's scope carries it, and Starlette routes paths with or without it.
     root_path = app.root_path = state.server.root_path
     api = api or GenerationApi(state)
+    responses = ResponsesApi(api)
+    api.endpoints.update(responses.endpoints)
 
     # The front door serves their POSTs; in FastAPI's table (plain Starlette routes: no
     # dependency solving) they answer other methods with 405. Their OpenAPI description is
     # written by hand (``openapi.py``).
     generation = {path: _over_asgi(state, fn) for path, fn in api.endpoints.items()}
     app.router.routes[:0] = [Route(path, fn, methods=["POST"]) for path, fn in generation.items()]
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        return _stored(lambda: responses.get(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return _stored(lambda: responses.delete(response_id))
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -112,6 +124,14 @@ def _over_asgi(state: ServerState, endpoint: GenerationEndpoint) -> Endpoint:
         return reply_response(await endpoint(raw, request.state.key_id))
 
     return handler
+
+
+def _stored(read: Callable[[], dict[str, Any]]) -> Response:
+    """A stored response's JSON, or the error finding it gave."""
+    try:
+        return JSONResponse(read())
+    except RequestError as err:
+        return error_response(err)
 
 
 def _rank_json(member: Any) -> dict[str, Any]:

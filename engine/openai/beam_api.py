@@ -15,7 +15,7 @@ from typing import Any
 
 from corefleet.engine.openai import protocol as p
 from corefleet.engine.openai.beam_search import MAX_BEAM_WIDTH, Beam, BeamOptions, beam_search
-from corefleet.engine.openai.errors import SSE_DONE, RequestError, sse_event
+from corefleet.engine.openai.errors import BEAM_SEARCH_CONFLICT, SSE_DONE, RequestError, sse_event
 from corefleet.engine.openai.replies import Reply, StreamReply, json_reply
 from corefleet.engine.openai.server_state import ServerState
 from corefleet.engine.openai.serving import Generation
@@ -31,17 +31,22 @@ def check_beam_request(body: Body, structured: bool) -> None:
     """
     if (body.n or 1) > MAX_BEAM_WIDTH:
         raise RequestError(
-            f"n={body.n}: beam search keeps at most {MAX_BEAM_WIDTH} beams", param="n"
+            f"n={body.n}: beam search keeps at most {MAX_BEAM_WIDTH} beams",
+            param="n",
+            code=BEAM_SEARCH_CONFLICT,
         )
     if structured:
         raise RequestError(
             "beam search cannot be combined with structured outputs or tool calling",
             param="use_beam_search",
+            code=BEAM_SEARCH_CONFLICT,
         )
     logprobs = body.logprobs if isinstance(body, p.CompletionRequest) else body.top_logprobs
     if logprobs or getattr(body, "echo", False):
         param = "logprobs" if isinstance(body, p.CompletionRequest) else "top_logprobs"
-        raise RequestError("beam search does not report logprobs", param=param)
+        raise RequestError(
+            "beam search does not report logprobs", param=param, code=BEAM_SEARCH_CONFLICT
+        )
 
 
 async def beam_reply(state: ServerState, body: Body, generation: Generation) -> Reply:

@@ -14,9 +14,11 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 __all__ = [
+    "BEAM_SEARCH_CONFLICT",
     "CHAT_TEMPLATE_REFUSED",
     "CONSTRAINT_CONFLICT",
     "CONTEXT_LENGTH_EXCEEDED",
+    "DUPLICATE_TOOL_NAMES",
     "EMPTY_PROMPT",
     "INVALID_GRAMMAR",
     "INVALID_TOOL_CHOICE",
@@ -50,6 +52,8 @@ CHAT_TEMPLATE_REFUSED = "chat_template_refused"
 INVALID_GRAMMAR = "invalid_grammar"
 CONSTRAINT_CONFLICT = "constraint_conflict"
 INVALID_TOOL_CHOICE = "invalid_tool_choice"
+DUPLICATE_TOOL_NAMES = "duplicate_tool_names"
+BEAM_SEARCH_CONFLICT = "beam_search_conflict"
 TOKEN_OUT_OF_VOCABULARY = "token_out_of_vocabulary"
 # Two fields compared, which the schema could say, but each such rule multiplies the branches
 # schemathesis must combine, and it gives up past a few: documented as codes instead.
@@ -74,6 +78,9 @@ SCHEMA_VALID_REFUSALS: dict[str, str] = {
     CONSTRAINT_CONFLICT: "more than one field constrains the output (response_format, "
     "structured_outputs, guided_*, tool_choice required or named), or one does next to "
     "ignore_eos or min_tokens",
+    DUPLICATE_TOOL_NAMES: "two tools name the same function",
+    BEAM_SEARCH_CONFLICT: "use_beam_search with what a beam search cannot honour: logprobs, "
+    "echo, structured outputs or tool calling, or n above 10",
     INVALID_TOOL_CHOICE: "tool_choice names a function that is not in tools, is set without "
     "tools, or is auto (the default with tools) on a server started without "
     "--enable-auto-tool-choice",

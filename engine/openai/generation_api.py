@@ -241,7 +241,8 @@ async def _start(
         if keep is not None:
             side = body.truncation_side
             rendered = [truncated(state.tokenizer, x, keep, side) for x in rendered]
-        return Generation(state.fleet, state.tokenizer, inputs, rendered, params, request_id)
+        salt = body.cache_salt
+        return Generation(state.fleet, state.tokenizer, inputs, rendered, params, request_id, salt)
 
     try:
         heavy = _text_chars(prompts) + constraint_chars(params.structured_outputs)

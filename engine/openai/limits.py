@@ -23,6 +23,7 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's and vLLM's chat limit
 # bounded so that a check stays a millisecond-scale task, whatever a client sends.
 MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_TOOLS = 128  # OpenAI's limit on the functions one request may offer
+MAX_CACHE_SALT_CHARS = 1024  # vLLM's bound on cache_salt
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 

@@ -10,6 +10,7 @@ character until the last). With ``return_tokens_as_token_ids`` every token reads
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from corefleet.engine.frontend.outputs import TokenLogprob
@@ -19,6 +20,7 @@ from corefleet.engine.openai.protocol import (
     CompletionLogprobs,
     TopLogprob,
 )
+from corefleet.engine.openai.response_models import MIN_LOGPROB
 
 Row = dict[int, TokenLogprob]  # token id -> logprob: the sampled token and the top-N
 
@@ -26,6 +28,12 @@ Row = dict[int, TokenLogprob]  # token id -> logprob: the sampled token and the 
 def _top(row: Row, k: int) -> list[tuple[int, TokenLogprob]]:
     ranked = [(t, e) for t, e in row.items() if e.rank is not None and e.rank <= k]
     return sorted(ranked, key=lambda item: item[1].rank or 0)
+
+
+def finite(logprob: float) -> float:
+    """``logprob`` with -inf (and NaN) as OpenAI's -9999.0: JSON has no -inf. The lists built
+    here are appended to, which skips the response model's own clamping."""
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
 
 
 def token_text(token_id: int, entry: TokenLogprob, as_ids: bool) -> str:
@@ -74,10 +82,10 @@ def completion_logprobs(
         sampled = row[token_id]
         text = token_text(token_id, sampled, as_ids)
         result.tokens.append(text)
-        result.token_logprobs.append(sampled.logprob)
-        top = {text: sampled.logprob}  # the sampled token first, as vLLM
+        result.token_logprobs.append(finite(sampled.logprob))
+        top = {text: finite(sampled.logprob)}  # the sampled token first, as vLLM
         for t, entry in _top(row, top_k):  # best first: alternatives that decode alike keep it
-            top.setdefault(token_text(t, entry, as_ids), entry.logprob)
+            top.setdefault(token_text(t, entry, as_ids), finite(entry.logprob))
         result.top_logprobs.append(top)
         result.text_offset.append(offset)
         offset += len(text)

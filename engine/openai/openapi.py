@@ -138,6 +138,15 @@ def _sampling_rules(
     for name in ("max_tokens", "max_completion_tokens", "min_tokens"):
         if max_model_len is not None and name in props:
             _int(props[name], maximum=max_model_len - 1)  # a prompt has at least one token
+    # -1: as many as the context holds; 0 is not a length.
+    kept: Schema = {"type": "integer", "minimum": 1}
+    if max_model_len is not None:
+        kept["maximum"] = max_model_len - 1
+    props["truncate_prompt_tokens"] = {
+        "anyOf": [{"const": -1}, kept, _NULL],
+        "default": None,
+        "title": "Truncate Prompt Tokens",
+    }
     props["stream_options"]["description"] = "only with stream: true"
     schema["allOf"] = [{"anyOf": [_absent_or_null("stream_options"), _is("stream", True)]}]
     props["prompt_logprobs"]["description"] = "not with stream: true (0 or null then)"
@@ -348,8 +357,7 @@ def openapi_document(
     schemas |= responses_schemas()
     answers = _responses(limits or RequestLimits())
     answers["ResponseNotFound"] = _error(
-        "No response with this id is stored by this coordinator process (code "
-        "`response_not_found`)"
+        "No response with this id is stored by this coordinator process (code `response_not_found`)"
     )
     components = {"schemas": schemas, "responses": answers}
     if auth:

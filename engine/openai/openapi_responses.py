@@ -87,12 +87,25 @@ RESPONSE_OBJECT: Schema = {
         "usage": {"anyOf": [{"type": "null"}, _USAGE]},
     },
 }
-_EVENT: Schema = {
+_EVENT_DATA: Schema = {
     "type": "object",
-    "description": "A stream event: `event: <type>` and its JSON; response.created first, "
-    "response.completed, response.incomplete or response.failed last (no [DONE]).",
     "required": ["type", "sequence_number"],
     "properties": {"type": _STRING, "sequence_number": _INT},
+}
+_EVENT: Schema = {
+    "type": "object",
+    "description": "A stream event: `event` is its type, `data` its JSON (with the same "
+    "`type`); response.created first, response.completed, response.incomplete or "
+    "response.failed last (no [DONE]).",
+    "required": ["event", "data"],
+    "properties": {
+        "event": _STRING,
+        "data": {
+            "type": "string",
+            "contentMediaType": JSON,
+            "contentSchema": component_ref("ResponseStreamEventData"),
+        },
+    },
 }
 _DELETED: Schema = {
     "type": "object",
@@ -112,6 +125,7 @@ def responses_schemas() -> dict[str, Schema]:
     return defs | {
         "ResponseObject": RESPONSE_OBJECT,
         "ResponseStreamEvent": _EVENT,
+        "ResponseStreamEventData": _EVENT_DATA,
         "ResponseDeleted": _DELETED,
     }
 

@@ -196,6 +196,11 @@ class _SamplingRequest(BaseModel):
     # the prompt's and the answer's token ids in the response.
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
+    # vLLM's: the prompt shares prefix-cache blocks only with requests of the same salt, so
+    # one tenant cannot time another's prompts through cache hits.
+    cache_salt: str | None = Field(
+        default=None, min_length=1, max_length=limits.MAX_CACHE_SALT_CHARS
+    )
     # vLLM's: a longer prompt keeps its last (truncation_side "right": first) tokens.
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=limits.INT64_MAX), _WHOLE] | None = None
     truncation_side: Literal["left", "right"] | None = None

@@ -23,11 +23,11 @@ from pydantic import (
 )
 
 # OpenAI's "extremely unlikely": JSON has no -inf (pydantic writes null, the client refuses it).
-_MIN_LOGPROB = -9999.0
+MIN_LOGPROB = -9999.0
 
 
 def _finite(value: Any) -> Any:
-    return value if value is None or math.isfinite(value) else _MIN_LOGPROB
+    return value if value is None or math.isfinite(value) else MIN_LOGPROB
 
 
 def random_id(prefix: str) -> str:

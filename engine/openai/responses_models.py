@@ -16,7 +16,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from corefleet.engine.openai import limits
-from corefleet.engine.openai.errors import RequestError
 from corefleet.engine.openai.tool_request import FUNCTION_NAME_PATTERN
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
@@ -88,20 +87,27 @@ class NamedFunctionChoice(BaseModel):
     name: str
 
 
-class TextFormat(BaseModel):
-    """``text.format``: plain text, any JSON object, or JSON following ``schema``."""
+class PlainTextFormat(BaseModel):
+    """``text.format`` of a free answer (``text``) or of any JSON object (``json_object``)."""
 
     model_config = _STRICT
-    type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    type: Literal["text", "json_object"]
+
+
+class JsonSchemaFormat(BaseModel):
+    """``text.format`` of an answer following ``schema``."""
+
+    model_config = _STRICT
+    type: Literal["json_schema"]
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
     description: str | None = None
 
 
 class TextOptions(BaseModel):
     model_config = _STRICT
-    format: TextFormat | None = None
+    format: PlainTextFormat | JsonSchemaFormat | None = Field(default=None, discriminator="type")
 
 
 class ResponsesRequest(BaseModel):
@@ -109,7 +115,7 @@ class ResponsesRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     model: str | None = None
-    input: str | list[InputItem] = Field(max_length=limits.MAX_MESSAGES)
+    input: str | Annotated[list[InputItem], Field(min_length=1, max_length=limits.MAX_MESSAGES)]
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: _PositiveInt | None = None
@@ -162,11 +168,9 @@ class ResponsesRequest(BaseModel):
         form = self.text.format if self.text else None
         if form is None or form.type == "text":
             return None
-        if form.type == "json_object":
+        if isinstance(form, PlainTextFormat):
             return {"type": "json_object"}
-        if form.schema_ is None:
-            raise RequestError("text.format json_schema needs a schema", param="text.format")
-        spec = {"name": form.name or "response", "schema": form.schema_, "strict": form.strict}
+        spec = {"name": form.name, "schema": form.schema_, "strict": form.strict}
         return {"type": "json_schema", "json_schema": spec}
 
     def conversation(self) -> list[dict[str, Any]]:

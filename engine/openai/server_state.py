@@ -9,6 +9,7 @@ from corefleet.engine.coordinator.fleet_client import FleetClient
 from corefleet.engine.frontend.tokenizer import Tokenizer
 from corefleet.engine.messages import ReadyResponse
 from corefleet.engine.openai.admission import ApiKeys, InFlightLimiter
+from corefleet.engine.openai.api_options import ApiOptions
 from corefleet.engine.openai.errors import RequestError
 from corefleet.engine.openai.limits import FALLBACK_MAX_N, RequestLimits
 from corefleet.engine.openai.metrics import ServingMetrics
@@ -28,6 +29,7 @@ class ServerState:
     metrics: ServingMetrics
     limits: RequestLimits = field(default_factory=RequestLimits)
     tool_options: ToolOptions = field(default_factory=ToolOptions)
+    options: ApiOptions = field(default_factory=ApiOptions)
     server: ServerOptions = field(default_factory=ServerOptions)  # --root-path, ...
     model_root: str = ""  # the model as --model named it (/v1/models' root)
     # --structured-outputs-config: strict JSON schemas or not

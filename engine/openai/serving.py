@@ -71,6 +71,7 @@ class Generation:
         prompts: Sequence[PromptType],
         params: SamplingParams,
         request_id: str,
+        cache_salt: str | None = None,
     ) -> None:
         self.fleet = fleet
         self.inputs = inputs
@@ -84,7 +85,7 @@ class Generation:
         self.observer: OutputObserver | None = None  # set before deltas() to watch outputs
         for p_index, prompt in enumerate(self.processed):
             parent = f"{request_id}-{p_index}"
-            children = inputs.make_requests(parent, prompt, params)
+            children = inputs.make_requests(parent, prompt, params, cache_salt=cache_salt)
             self.processor.add_request(
                 parent,
                 prompt.prompt,

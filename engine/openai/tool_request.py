@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from corefleet.engine.frontend.chat_template import template_variables
 from corefleet.engine.messages import StructuredOutputsParams
-from corefleet.engine.openai.errors import INVALID_TOOL_CHOICE, RequestError
+from corefleet.engine.openai.errors import DUPLICATE_TOOL_NAMES, INVALID_TOOL_CHOICE, RequestError
 from corefleet.engine.openai.structured_request import json_constraint
 from corefleet.engine.openai.tool_options import ToolOptions
 from corefleet.engine.structured_output.schema_rewrite import relocate
@@ -131,7 +131,9 @@ def plan_tools(
         return NO_TOOLS
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
-        raise RequestError("tools: each function needs its own name", param="tools")
+        raise RequestError(
+            "tools: each function needs its own name", param="tools", code=DUPLICATE_TOOL_NAMES
+        )
     parallel = parallel_tool_calls is not False
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":

@@ -21,6 +21,7 @@ CHAT = [{"role": "user", "content": "Name a colour."}]
 FLAGS = (
     *("--dtype", "float32", "--kv-cache-memory", str(256 << 20), "--max-model-len", "512"),
     *("--return-tokens-as-token-ids", "--enable-force-include-usage"),
+    "--enable-prompt-tokens-details",
 )
 
 
@@ -153,3 +154,20 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(base: str, tokenizer: Toke
         reply = _post(base, "/v1/completions", body | {"truncate_prompt_tokens": bad})
         assert reply.status_code == 400
         assert reply.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_cache_salt_separates_cached_prefixes(base: str) -> None:
+    prompt = "Salted prefixes are cached apart. " * 20
+
+    def cached(salt: str | None) -> int:
+        body = {"prompt": prompt, "max_tokens": 1} | ({"cache_salt": salt} if salt else {})
+        usage = _post(base, "/v1/completions", body).json()["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"]
+
+    cached("tenant-a")
+    assert cached("tenant-a") > 0  # the same salt shares the blocks
+    assert cached("tenant-b") == 0  # another salt does not
+    assert cached(None) == 0  # nor does no salt
+    for bad in ("", "x" * 1025):
+        reply = _post(base, "/v1/completions", {"prompt": prompt, "cache_salt": bad})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "cache_salt"

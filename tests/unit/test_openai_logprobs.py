@@ -110,3 +110,11 @@ def test_shape_token_naming_follows_the_flag_unless_the_request_says() -> None:
         {"messages": [{"role": "user", "content": "x"}], "return_token_ids": True}
     )
     assert Shape.of(chat, _Gen(), ApiOptions()).token_ids  # type: ignore[arg-type]
+
+
+def test_minus_infinity_is_openais_minus_9999() -> None:
+    row = {3: TokenLogprob(float("-inf"), 5, "x"), 4: TokenLogprob(float("-inf"), 1, "y")}
+    legacy = completion_logprobs([3], [row], 1, 0)
+    assert legacy.token_logprobs == [-9999.0]
+    assert legacy.top_logprobs == [{"x": -9999.0, "y": -9999.0}]
+    assert '"-Infinity"' not in legacy.model_dump_json() and "null" not in legacy.model_dump_json()
