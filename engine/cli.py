@@ -14,6 +14,7 @@ from corefleet.engine.coordinator.routing import POLICY_NAMES
 from corefleet.engine.engine_args import add_engine_args, engine_kwargs_from_args
 from corefleet.engine.entrypoints.rank_cpus import add_rank_cpu_args
 from corefleet.engine.messages import SamplingParams
+from corefleet.engine.openai.api_options import add_api_args
 from corefleet.engine.openai.limits import add_limit_args
 from corefleet.engine.openai.server_options import add_server_args
 from corefleet.engine.openai.structured_options import add_structured_output_args
@@ -100,6 +101,7 @@ def _http_args(parser: argparse.ArgumentParser) -> None:
     add_limit_args(parser)
     add_tool_args(parser)
     add_structured_output_args(parser)
+    add_api_args(parser)
     add_server_args(parser)
 
 

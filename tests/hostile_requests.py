@@ -31,7 +31,7 @@ ABSURD: list[tuple[str, Any, int, str | None]] = [
     (C, {"prompt": "word " * 150_000}, 400, "prompt"),
     (C, {"prompt": [HUGE]}, 400, "prompt"),
     (C, {"prompt": "Hi", "seed": 2**64}, 400, "seed"),
-    (C, {"prompt": "Hi", "seed": -1}, 400, "seed"),
+    (C, {"prompt": "Hi", "seed": -(2**63) - 1}, 400, "seed"),
     (C, {"prompt": "Hi", "max_tokens": HUGE}, 400, "max_tokens"),
     (C, {"prompt": "Hi", "max_tokens": 2**40}, 400, "max_tokens"),
     (C, {"prompt": "Hi", "max_tokens": None, "min_tokens": HUGE}, 400, "min_tokens"),

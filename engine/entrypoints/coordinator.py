@@ -30,6 +30,7 @@ from corefleet.engine.models.default_model import served_model_name
 from corefleet.engine.models.gguf_metadata import release_gguf_reader
 from corefleet.engine.models.loader import resolve_model_path
 from corefleet.engine.openai.admission import ApiKeys
+from corefleet.engine.openai.api_options import ApiOptions
 from corefleet.engine.openai.api_server import build_app
 from corefleet.engine.openai.generation_api import GenerationApi
 from corefleet.engine.openai.limits import RequestLimits
@@ -63,6 +64,7 @@ class CoordinatorOptions:
     limits: RequestLimits = field(default_factory=RequestLimits)
     tools: ToolOptions = field(default_factory=ToolOptions)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    api: ApiOptions = field(default_factory=ApiOptions)
     server: ServerOptions = field(default_factory=ServerOptions)
     max_migrations: int = 2
     heartbeat_timeout_s: float = 10.0
@@ -123,6 +125,7 @@ async def run(
         ServingMetrics(fleet, model_name),
         options.limits,
         options.tools,
+        options.api,
         server=options.server,
         model_root=options.model or model_path,
         structured_outputs=options.structured_outputs,

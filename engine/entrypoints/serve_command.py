@@ -10,6 +10,7 @@ from corefleet.engine.entrypoints import event_loop
 from corefleet.engine.entrypoints.coordinator import CoordinatorOptions, run
 from corefleet.engine.entrypoints.local_ranks import LocalRanks
 from corefleet.engine.entrypoints.rank_cpus import plan_from_args
+from corefleet.engine.openai.api_options import api_options_from_args
 from corefleet.engine.openai.limits import limits_from_args
 from corefleet.engine.openai.server_options import server_options_from_args
 from corefleet.engine.openai.structured_options import structured_outputs_config_from_args
@@ -25,6 +26,7 @@ def serve_command(args: argparse.Namespace) -> int:
     limits = limits_from_args(args)
     tools = tool_options_from_args(args)
     structured_outputs = structured_outputs_config_from_args(args)
+    api = api_options_from_args(args)
     server = server_options_from_args(args)
     if args.command == "coordinator":
         options = CoordinatorOptions(
@@ -40,6 +42,7 @@ def serve_command(args: argparse.Namespace) -> int:
             limits=limits,
             tools=tools,
             structured_outputs=structured_outputs,
+            api=api,
             server=server,
             max_migrations=args.max_migrations,
             shutdown_timeout_s=args.shutdown_timeout,
@@ -67,6 +70,7 @@ def serve_command(args: argparse.Namespace) -> int:
         limits=limits,
         tools=tools,
         structured_outputs=structured_outputs,
+        api=api,
         server=server,
         max_migrations=args.max_migrations,
         shutdown_timeout_s=args.shutdown_timeout,
