@@ -197,8 +197,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _fail("prompt_logprobs", self.prompt_logprobs, "must be in [0, 20]")
         if self.stop and not all(isinstance(s, str) and s for s in self.stop):
             _fail("stop", self.stop, "must be non-empty strings")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            _fail("seed", self.seed, "must be in [0, 2**63)")
+        # Any 64-bit integer, as OpenAI and vLLM accept (``-1`` included): torch's generators
+        # take the signed range too.
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            _fail("seed", self.seed, "must be a 64-bit integer")
         if vocab_size is not None and self.stop_token_ids:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
