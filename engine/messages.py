@@ -429,6 +429,8 @@ class ReadyResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     # Cache settings for /metrics' vllm:cache_config_info ("": an older rank did not say).
     cache_dtype: str = ""
     enable_prefix_caching: bool = False
+    # How the rank orders waiting requests: "fcfs", or "priority" (a request's priority counts).
+    scheduling_policy: str = "fcfs"
 
 
 class Hello(msgspec.Struct, tag="hello", omit_defaults=True, gc=False):

@@ -248,6 +248,7 @@ class EngineCore:
             pooler=self.pooler_info,
             cache_dtype=self.config.cache.cache_dtype,
             enable_prefix_caching=self.config.cache.enable_prefix_caching,
+            scheduling_policy=self.config.scheduler.policy,
         )
 
     def get_utility(self, name: str) -> Callable[..., Any]:

@@ -88,7 +88,6 @@ IGNORED_QUIETLY = frozenset(
         "service_tier",
         "parallel_tool_calls",  # completions: only with tools, which chat alone takes
         "prediction",  # predicted outputs: a speed hint
-        "priority",
         "request_id",
         "guided_decoding_backend",  # the server's backend (llguidance) is not per request
         "guided_whitespace_pattern",  # whitespace between JSON tokens is already flexible

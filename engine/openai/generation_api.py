@@ -232,8 +232,8 @@ async def _start(
     params = p.to_sampling_params(body, info.vocab_size, tools.constraint, state.structured_outputs)
     inputs = InputProcessor(state.tokenizer, info.max_model_len, info.vocab_size)
     request_id = Generation.new_id()
-
     keep = longest_prompt(body.truncate_prompt_tokens, info.max_model_len)
+    priority = _priority(body.priority, info)
 
     def build() -> Generation:
         check_constraint(params.structured_outputs, body)  # a grammar's own check: a 400
@@ -241,8 +241,16 @@ async def _start(
         if keep is not None:
             side = body.truncation_side
             rendered = [truncated(state.tokenizer, x, keep, side) for x in rendered]
-        salt = body.cache_salt
-        return Generation(state.fleet, state.tokenizer, inputs, rendered, params, request_id, salt)
+        return Generation(
+            state.fleet,
+            state.tokenizer,
+            inputs,
+            rendered,
+            params,
+            request_id,
+            body.cache_salt,
+            priority,
+        )
 
     try:
         heavy = _text_chars(prompts) + constraint_chars(params.structured_outputs)
@@ -254,6 +262,18 @@ async def _start(
         # the code the OpenAPI document lists for it.
         code = getattr(exc, "code", None)
         raise RequestError(str(exc), param=_blamed_field(body, str(exc)), code=code) from None
+
+
+def _priority(priority: int | None, info: ReadyResponse) -> int:
+    """The request's priority; a 400 for one the ranks would not honour, as vLLM refuses a
+    priority other than 0 without priority scheduling."""
+    if priority and info.scheduling_policy != "priority":
+        raise RequestError(
+            f"priority={priority} needs ranks started with --scheduling-policy priority "
+            f"(these schedule {info.scheduling_policy})",
+            param="priority",
+        )
+    return priority or 0
 
 
 def _text_chars(prompts: list[Any]) -> int:

@@ -196,6 +196,8 @@ class _SamplingRequest(BaseModel):
     # the prompt's and the answer's token ids in the response.
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
+    # vLLM's: lower first, under ranks started with --scheduling-policy priority (a 400 else).
+    priority: Int64 | None = None
     # vLLM's: the prompt shares prefix-cache blocks only with requests of the same salt, so
     # one tenant cannot time another's prompts through cache hits.
     cache_salt: str | None = Field(

@@ -72,6 +72,7 @@ class Generation:
         params: SamplingParams,
         request_id: str,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.fleet = fleet
         self.inputs = inputs
@@ -85,7 +86,7 @@ class Generation:
         self.observer: OutputObserver | None = None  # set before deltas() to watch outputs
         for p_index, prompt in enumerate(self.processed):
             parent = f"{request_id}-{p_index}"
-            children = inputs.make_requests(parent, prompt, params, cache_salt=cache_salt)
+            children = inputs.make_requests(parent, prompt, params, priority, cache_salt)
             self.processor.add_request(
                 parent,
                 prompt.prompt,

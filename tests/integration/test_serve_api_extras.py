@@ -162,7 +162,8 @@ def test_cache_salt_separates_cached_prefixes(base: str) -> None:
     def cached(salt: str | None) -> int:
         body = {"prompt": prompt, "max_tokens": 1} | ({"cache_salt": salt} if salt else {})
         usage = _post(base, "/v1/completions", body).json()["usage"]
-        return usage["prompt_tokens_details"]["cached_tokens"]
+        # As vLLM: the details are left out when nothing was cached.
+        return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
     cached("tenant-a")
     assert cached("tenant-a") > 0  # the same salt shares the blocks
@@ -171,3 +172,11 @@ def test_cache_salt_separates_cached_prefixes(base: str) -> None:
     for bad in ("", "x" * 1025):
         reply = _post(base, "/v1/completions", {"prompt": prompt, "cache_salt": bad})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "cache_salt"
+
+
+def test_priority_needs_priority_scheduling(base: str) -> None:
+    ok = _post(base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "priority": 0})
+    assert ok.status_code == 200
+    refused = _post(base, "/v1/completions", {"prompt": PROMPT, "priority": -3})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"
+    assert "--scheduling-policy priority" in refused.json()["error"]["message"]
