@@ -6,7 +6,13 @@ override (``return_tokens_as_token_ids``) or forces a field on (``include_usage`
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from corefleet.engine.openai.chat_template_options import (
+    ChatTemplateOptions,
+    add_chat_template_args,
+    chat_template_options_from_args,
+)
 
 
 @dataclass(frozen=True)
@@ -19,6 +25,8 @@ class ApiOptions:
     trust_request_chat_template: bool = False
     # usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served.
     enable_prompt_tokens_details: bool = False
+    # --chat-template, --chat-template-content-format, --default-chat-template-kwargs
+    chat: ChatTemplateOptions = field(default_factory=ChatTemplateOptions)
 
 
 DEFAULT_API_OPTIONS = ApiOptions()
@@ -51,6 +59,7 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
         help="report usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix "
         "cache served (left out when none), as in vLLM",
     )
+    add_chat_template_args(parser)
 
 
 def api_options_from_args(args: argparse.Namespace) -> ApiOptions:
@@ -60,4 +69,5 @@ def api_options_from_args(args: argparse.Namespace) -> ApiOptions:
         args.enable_force_include_usage,
         trust_request_chat_template=args.trust_request_chat_template,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        chat=chat_template_options_from_args(args),
     )

@@ -19,11 +19,18 @@ rendering (:func:`render_chat`) that every endpoint taking ``messages`` shares, 
 - ``add_special_tokens`` (default false: the template writes them) adds the tokenizer's
   BOS/EOS around the rendered text.
 - ``documents`` (a list of string maps) reach the template as ``documents``, for RAG templates.
+- ``reasoning_effort`` (chat completions only, vLLM's values) reaches the template as
+  ``reasoning_effort``, and sets ``enable_thinking`` (false for ``none``, else true) unless
+  ``chat_template_kwargs`` names it: vLLM's rule, for templates where thinking is opt-in.
+
+The server's ``--default-chat-template-kwargs`` lie under all of these
+(``chat_template_options.merge_template_kwargs``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 from jinja2.exceptions import SecurityError
 from pydantic import BaseModel, ConfigDict, Field
@@ -34,6 +41,7 @@ from corefleet.engine.frontend.tokenizer import (
     RESERVED_TEMPLATE_KWARGS,
     Tokenizer,
 )
+from corefleet.engine.openai.chat_template_options import merge_template_kwargs
 from corefleet.engine.openai.errors import CHAT_TEMPLATE_REFUSED, RequestError
 from corefleet.engine.openai.tool_request import NO_TOOLS, ToolPlan, template_inputs
 
@@ -74,6 +82,36 @@ class ChatTemplateFields(BaseModel):
         """``add_generation_prompt`` with its default (true)."""
         return self.add_generation_prompt is not False
 
+    def request_template_kwargs(self) -> dict[str, Any]:
+        """The template variables this request sets (before the server's defaults)."""
+        return dict(self.chat_template_kwargs or {})
+
+
+# vLLM's values (OpenAI's, and "max" for DeepSeek V4's templates).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
+class ChatCompletionTemplateFields(ChatTemplateFields):
+    """The chat endpoint's template fields: :class:`ChatTemplateFields` and
+    ``reasoning_effort``, which only chat templates read."""
+
+    reasoning_effort: ReasoningEffort | None = Field(
+        default=None,
+        description="reaches the chat template as reasoning_effort, and sets enable_thinking "
+        "(false for none) unless chat_template_kwargs sets it",
+    )
+
+    def request_template_kwargs(self) -> dict[str, Any]:
+        kwargs = super().request_template_kwargs()
+        effort = self.reasoning_effort
+        if effort is not None:
+            # vLLM's rule: templates where thinking is opt-in (enable_thinking false by
+            # default) think when an effort is asked, unless the request says otherwise.
+            if "enable_thinking" not in kwargs:
+                kwargs["enable_thinking"] = effort != "none"
+            kwargs["reasoning_effort"] = effort
+        return kwargs
+
 
 def check_chat_template_fields(fields: ChatTemplateFields, trust_request_template: bool) -> None:
     """The checks of ``fields`` that need no rendering (done before a request is admitted).
@@ -109,9 +147,11 @@ def render_chat(
     messages: list[dict[str, Any]],
     fields: ChatTemplateFields,
     tools: ToolPlan = NO_TOOLS,
+    defaults: Mapping[str, Any] | None = None,
 ) -> str:
     """The prompt text of ``messages`` (``ChatCompletionRequest.template_messages`` form) under
-    ``fields`` (checked by :func:`check_chat_template_fields`) and the request's ``tools``.
+    ``fields`` (checked by :func:`check_chat_template_fields`), the request's ``tools`` and
+    the server's ``defaults`` (``--default-chat-template-kwargs``).
 
     Raises:
         ValueError: no template (the model has none and the request sent none).
@@ -121,9 +161,8 @@ def render_chat(
     template = fields.chat_template
     effective = template if template is not None else tokenizer.chat_template
     messages, variables = template_inputs(messages, tools, effective)
-    kwargs = {
-        k: v for k, v in (fields.chat_template_kwargs or {}).items() if k not in _REQUEST_FIELDS
-    }
+    merged = merge_template_kwargs(defaults, fields.request_template_kwargs())
+    kwargs = {k: v for k, v in merged.items() if k not in _REQUEST_FIELDS}
     documents = kwargs.pop("documents", None)  # the kwargs' documents, unless the request's
     documents = fields.documents if fields.documents is not None else documents
     try:
@@ -150,9 +189,10 @@ def render_chat_tokens(
     messages: list[dict[str, Any]],
     fields: ChatTemplateFields,
     tools: ToolPlan = NO_TOOLS,
+    defaults: Mapping[str, Any] | None = None,
 ) -> tuple[str, list[int]]:
     """:func:`render_chat`'s text and its token ids (``add_special_tokens`` applied)."""
-    text = render_chat(tokenizer, messages, fields, tools)
+    text = render_chat(tokenizer, messages, fields, tools, defaults)
     return text, tokenizer.encode(text, add_special_tokens=bool(fields.add_special_tokens))
 
 

@@ -52,11 +52,7 @@ class CompletionEcho:
         self._started: set[int] = set()
 
     def prompt_text(self, choice: int) -> str:
-        processed = self.generation.processed[choice // self.generation.params.n]
-        if processed.prompt is not None:
-            return processed.prompt
-        tokenizer = self.generation.processor.tokenizer
-        return tokenizer.decode(processed.prompt_token_ids, skip_special_tokens=False)
+        return self.generation.prompt_text(choice)
 
     async def deltas(self, deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
         """``deltas`` with each choice's prompt text before its first delta's (and in the

@@ -28,7 +28,7 @@ from pydantic import (
 
 from corefleet.engine.messages import FinishReason, SamplingParams, StructuredOutputsParams
 from corefleet.engine.openai import limits
-from corefleet.engine.openai.chat_render import MAX_ROLE_CHARS, ChatTemplateFields
+from corefleet.engine.openai.chat_render import MAX_ROLE_CHARS, ChatCompletionTemplateFields
 from corefleet.engine.openai.errors import (
     PROMPT_LOGPROBS_WITH_STREAM,
     ZERO_MAX_TOKENS_WITHOUT_ECHO,
@@ -261,7 +261,7 @@ class CompletionRequest(_SamplingRequest):
         return [x if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in items]
 
 
-class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
+class ChatCompletionRequest(_SamplingRequest, ChatCompletionTemplateFields):
     """``POST /v1/chat/completions``; the chat-template fields are in ``chat_render``."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=limits.MAX_MESSAGES)
@@ -273,6 +273,7 @@ class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
     tools: list[ToolDefinition] | None = Field(default=None, max_length=limits.MAX_TOOLS)
     tool_choice: ToolChoice | None = None  # None: auto with tools, none without (tool_request)
     parallel_tool_calls: bool | None = None
+    return_prompt_text: bool | None = None  # vLLM's: the rendered prompt in the answer
     # vLLM's: the answer starts with the last message's content when that message has the
     # answer's role (an assistant message the model continues, with continue_final_message).
     echo: bool | None = False

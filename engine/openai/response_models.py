@@ -206,6 +206,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids: the rendered prompt's
+    prompt_text: str | None = None  # with return_prompt_text: the rendered prompt
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's: one list for every choice
 
 
@@ -257,6 +258,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids: in the first chunk
+    prompt_text: str | None = None  # with return_prompt_text: in the first chunk
 
 
 class ModelPermission(BaseModel):

@@ -134,10 +134,10 @@ class _ChunkEvents:
         self,
         choice: dict[str, Any] | BaseModel,
         usage: p.UsageInfo | None = None,
-        prompt_token_ids: list[int] | None = None,
+        first: dict[str, Any] | None = None,
     ) -> str:
         """The event of a chunk holding ``choice``; in a dict, None values are left out.
-        ``usage`` and (a chat stream's first chunk) ``prompt_token_ids`` go beside it."""
+        ``usage`` and (a chat stream's first chunk) the fields of ``first`` go beside it."""
         if isinstance(choice, BaseModel):
             encoded = choice.model_dump_json(exclude_none=True)
         else:
@@ -145,8 +145,8 @@ class _ChunkEvents:
         tail = "]"
         if usage is not None:
             tail += ',"usage":' + usage.model_dump_json()
-        if prompt_token_ids is not None:
-            tail += ',"prompt_token_ids":' + _JSON.encode(prompt_token_ids).decode()
+        for name, value in (first or {}).items():
+            tail += f',"{name}":' + _JSON.encode(value).decode()
         return self._head + encoded + tail + "}\n\n"
 
     def usage(self, usage: p.UsageInfo) -> str:
@@ -264,9 +264,22 @@ async def chat_response(
         usage=_usage(generation, tokens, options.enable_prompt_tokens_details),
         prompt_logprobs=prompt_logprobs,
     )
-    if shape.token_ids:
-        response.prompt_token_ids = generation.prompt_token_ids(0)
+    for name, value in _chat_prompt_fields(body, generation, shape).items():
+        setattr(response, name, value)
     return response.model_dump()
+
+
+def _chat_prompt_fields(
+    body: p.ChatCompletionRequest, generation: Generation, shape: Shape
+) -> dict[str, Any]:
+    """vLLM's prompt fields of a chat answer (a stream's first chunk): the rendered prompt's
+    ids (``return_token_ids``) and text (``return_prompt_text``)."""
+    fields: dict[str, Any] = {}
+    if shape.token_ids:
+        fields["prompt_token_ids"] = generation.prompt_token_ids(0)
+    if body.return_prompt_text:
+        fields["prompt_text"] = generation.prompt_text(0)
+    return fields
 
 
 async def chat_chunks(
@@ -284,7 +297,7 @@ async def chat_chunks(
     calls: dict[int, StreamedCalls] = {}
     tokens = 0
     counts = _ChoiceTokens(generation)
-    prompt_ids = generation.prompt_token_ids(0) if shape.token_ids else None
+    first = _chat_prompt_fields(body, generation, shape) or None
     role, echoed = response_role(body), echoed_text(body)
     async for d in _timed(metrics, generation):
         tokens += len(d.token_ids)
@@ -312,8 +325,8 @@ async def chat_chunks(
             chunk_usage = usage if last else None
             if top_k is None and not shape.token_ids:
                 choice = {"index": d.index, "delta": delta, "finish_reason": reason}
-                yield events.choice(choice, chunk_usage, prompt_ids)
-                prompt_ids = None  # the stream's first chunk alone carries them
+                yield events.choice(choice, chunk_usage, first)
+                first = None  # the stream's first chunk alone carries them
                 continue
             choice = p.ChatChunkChoice(
                 index=d.index,
@@ -323,8 +336,8 @@ async def chat_chunks(
             )
             if last and top_k is not None:
                 choice.logprobs = chat_logprobs(d.token_ids, d.logprobs, top_k, shape.as_ids)
-            yield events.choice(choice, chunk_usage, prompt_ids)
-            prompt_ids = None
+            yield events.choice(choice, chunk_usage, first)
+            first = None
     if shape.final_usage:
         yield events.usage(_usage(generation, tokens, options.enable_prompt_tokens_details))
     yield SSE_DONE

@@ -37,6 +37,9 @@ class ServerState:
     shutting_down: bool = False
 
     def __post_init__(self) -> None:
+        template = self.options.chat.chat_template
+        if template is not None:  # --chat-template: every chat form and /tokenizer_info use it
+            self.tokenizer = self.tokenizer.with_chat_template(template)
         self.limiter = InFlightLimiter(
             self.max_concurrent, self.limits.max_concurrent_requests_per_key
         )

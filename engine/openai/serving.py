@@ -115,6 +115,15 @@ class Generation:
         """The prompt (vLLM's parent request) an engine request is a sample of."""
         return self._choice[engine_id][0]
 
+    def prompt_text(self, choice: int) -> str:
+        """The text of the prompt choice ``choice`` answers (a chat prompt: as rendered; token
+        ids: decoded, special tokens kept)."""
+        processed = self.processed[choice // self.params.n]
+        if processed.prompt is not None:
+            return processed.prompt
+        tokenizer = self.processor.tokenizer
+        return tokenizer.decode(processed.prompt_token_ids, skip_special_tokens=False)
+
     def prompt_token_ids(self, choice: int) -> list[int]:
         """The token ids of the prompt choice ``choice`` answers."""
         return self.processed[choice // self.params.n].prompt_token_ids

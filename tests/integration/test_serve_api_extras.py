@@ -180,3 +180,16 @@ def test_priority_needs_priority_scheduling(base: str) -> None:
     refused = _post(base, "/v1/completions", {"prompt": PROMPT, "priority": -3})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"
     assert "--scheduling-policy priority" in refused.json()["error"]["message"]
+
+
+def test_return_prompt_text_is_the_rendered_prompt(base: str, tokenizer: Tokenizer) -> None:
+    body = {"messages": CHAT, "max_tokens": 2, "return_prompt_text": True, "return_token_ids": True}
+    whole = _post(base, "/v1/chat/completions", body).json()
+    assert (
+        tokenizer.encode(whole["prompt_text"], add_special_tokens=False)
+        == (whole["prompt_token_ids"])
+    )
+    assert whole["prompt_text"].rstrip().endswith("assistant")
+    chunks = _events(base, "/v1/chat/completions", body | {"stream": True})
+    assert chunks[0]["prompt_text"] == whole["prompt_text"]
+    assert all("prompt_text" not in c for c in chunks[1:])

@@ -15,7 +15,7 @@ from corefleet.engine.frontend.input_processor import ProcessedPrompt
 from corefleet.engine.frontend.outputs import TokenLogprob
 from corefleet.engine.openai import protocol as p
 from corefleet.engine.openai.echo import CompletionEcho, prompt_logprobs_entries
-from corefleet.engine.openai.serving import ChoiceDelta
+from corefleet.engine.openai.serving import ChoiceDelta, Generation
 
 PROMPT_IDS = [11, 12, 13]
 # The engine's prompt rows: nothing predicts the first token; then the token and the top-1.
@@ -33,13 +33,16 @@ class _Tokenizer:
 
 
 def _generation(prompt: str | None) -> Any:
-    """What CompletionEcho reads of a Generation: its prompts, n and the tokenizer."""
-    return SimpleNamespace(
+    """What CompletionEcho reads of a Generation: its prompts, n and the tokenizer, and the
+    prompt's text as Generation itself gives it."""
+    generation = SimpleNamespace(
         processed=[ProcessedPrompt(prompt, PROMPT_IDS)],
         params=SimpleNamespace(n=1),
         processor=SimpleNamespace(tokenizer=_Tokenizer()),
         prompt_token_ids=lambda choice: PROMPT_IDS,
     )
+    generation.prompt_text = lambda choice: Generation.prompt_text(generation, choice)  # type: ignore[arg-type]
+    return generation
 
 
 def _body(**fields: Any) -> p.CompletionRequest:
