@@ -48,12 +48,15 @@ def _empty(value: Any) -> bool:
 _COMMON: dict[str, Refused] = {
     "logits_processors": Refused("logits processors", _empty),
     "vllm_xargs": Refused("vllm_xargs (custom sampling extensions)", _empty),
-    "spaces_between_special_tokens": Refused("spaces_between_special_tokens"),
+    "watermarking": Refused("watermarking", _one_of(False)),
+    "thinking_token_budget": Refused("a thinking token budget", _one_of(-1)),
+    "repetition_detection": Refused("repetition detection"),
+    "kv_transfer_params": Refused("KV transfer (disaggregated prefill)", _empty),
+    "ec_transfer_params": Refused("encoder-cache transfer", _empty),
     "functions": Refused("function calling", _empty),
     "function_call": Refused("function calling", _one_of("none", "auto")),
     "modalities": Refused("output modalities other than text", _one_of(["text"])),
     "audio": Refused("audio output"),
-    "reasoning_effort": Refused("reasoning_effort"),
     "web_search_options": Refused("web search"),
 }
 
@@ -64,6 +67,7 @@ REFUSED: Mapping[str, Mapping[str, Refused]] = {
         "prompt_embeds": Refused("prompt embeddings (prompt_embeds)", _empty),
         "add_special_tokens": Refused("add_special_tokens=false", _one_of(True)),
         "tool_choice": Refused("tool calling (chat only)", _one_of("none", "auto")),
+        "reasoning_effort": Refused("reasoning_effort (chat only: a chat template reads it)"),
     },
     "chat": _COMMON,  # vLLM's chat-template fields are declared (chat_render.py)
     # POST /v1/responses (responses_models.py): OpenAI's fields it does not serve.
@@ -92,7 +96,20 @@ IGNORED_QUIETLY = frozenset(
         "guided_decoding_backend",  # the server's backend (llguidance) is not per request
         "guided_whitespace_pattern",  # whitespace between JSON tokens is already flexible
         "safety_identifier",  # Responses: the end user's id, for OpenAI's abuse checks
-        "prompt_cache_key",  # Responses: a cache hint; the prefix cache needs none
+        "prompt_cache_key",  # a cache hint; the prefix cache needs none
+        # vLLM's that change nothing here: a routing hint, a chunking hint (each token is sent
+        # as it comes), data only its render endpoints or its routed-experts flag return,
+        # reasoning-parser and multimodal options (no reasoning parser, text content only),
+        # and spacing that only vLLM's slow tokenizers apply (every tokenizer here is fast).
+        "session_id",
+        "stream_interval",
+        "routed_experts_prompt_start",
+        "return_token_offsets",
+        "return_mm_kwargs",
+        "include_reasoning",
+        "media_io_kwargs",
+        "mm_processor_kwargs",
+        "spaces_between_special_tokens",
         "stream_options",  # Responses: obfuscation padding of stream events
     }
 )

@@ -28,6 +28,10 @@ def _extra(body: dict[str, object], chat: bool = False) -> dict[str, object] | N
         ("tool_choice", "required"),
         ("tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("vllm_xargs", {"x": 1}),
+        ("watermarking", True),
+        ("thinking_token_budget", 100),
+        ("repetition_detection", {"max_pattern_size": 4}),
+        ("kv_transfer_params", {"do_remote_prefill": True}),
         ("logits_processors", ["x"]),
         ("modalities", ["text", "audio"]),
         ("add_special_tokens", False),
@@ -46,6 +50,9 @@ def test_a_field_that_changes_the_answer_is_a_400_naming_it(field: str, value: o
         ("tool_choice", "none"),
         ("tool_choice", "auto"),
         ("vllm_xargs", {}),
+        ("watermarking", False),
+        ("thinking_token_budget", -1),
+        ("kv_transfer_params", {}),
         ("logits_processors", []),
         ("modalities", ["text"]),
         ("add_special_tokens", True),
@@ -107,6 +114,7 @@ def test_known_fields_that_change_nothing_pass_without_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     body = {**COMPLETION, "metadata": {"k": "v"}, "store": False, "guided_decoding_backend": "x"}
+    body |= {"session_id": "s", "stream_interval": 4, "spaces_between_special_tokens": False}
     with caplog.at_level(logging.WARNING, logger="corefleet.engine.openai.extra_fields"):
         check_extra_fields(_extra(body), "completions")
     assert not caplog.records
