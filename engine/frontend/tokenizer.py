@@ -13,6 +13,7 @@ Incremental detokenization for streaming lives in ``corefleet.engine.frontend.de
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -155,6 +156,13 @@ class Tokenizer:
         return None if token is None else self.backend.token_to_id(token)
 
     # -- chat -----------------------------------------------------------------------------
+
+    def with_chat_template(self, chat_template: str) -> Tokenizer:
+        """This tokenizer with ``chat_template`` in place of the model's (a server's
+        ``--chat-template``); the backend is shared, this one is left as it was."""
+        other = copy.copy(self)
+        other.chat_template = chat_template
+        return other
 
     def apply_chat_template(
         self,

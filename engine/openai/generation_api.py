@@ -106,7 +106,8 @@ class GenerationApi:
             body.tools, body.tool_choice, body.parallel_tool_calls, self.state.tool_options
         )
         check_chat_template_fields(body, self.state.options.trust_request_chat_template)
-        return _ChatPrompt(body.template_messages(), body, tools), tools
+        defaults = self.state.options.chat.default_chat_template_kwargs
+        return _ChatPrompt(body.template_messages(), body, tools, defaults), tools
 
     async def start(
         self,
@@ -218,6 +219,7 @@ class _ChatPrompt:
     fields: ChatTemplateFields  # the request's chat-template options
     tools: ToolPlan = NO_TOOLS
 
+    defaults: dict[str, Any] | None = None  # --default-chat-template-kwargs
 
 async def _start(
     state: ServerState,
@@ -309,7 +311,7 @@ def _render(
     the prompt is to be truncated)."""
     if not isinstance(prompt, _ChatPrompt):
         return prompt
-    text = render_chat(tokenizer, prompt.messages, prompt.fields, prompt.tools)
+    text = render_chat(tokenizer, prompt.messages, prompt.fields, prompt.tools, prompt.defaults)
     if check_length:
         inputs.check_text_length(text)
     ids = tokenizer.encode(text, add_special_tokens=bool(prompt.fields.add_special_tokens))

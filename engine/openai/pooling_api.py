@@ -185,7 +185,8 @@ class PoolingApi:
         tokenizer = self.state.tokenizer
         if body.messages is not None:
             fields = body.chat_fields()
-            text = render_chat(tokenizer, body.template_messages(), fields)
+            defaults = self.state.options.chat.default_chat_template_kwargs
+            text = render_chat(tokenizer, body.template_messages(), fields, defaults=defaults)
             if check_length:
                 inputs.check_text_length(text)
             return [tokenizer.encode(text, add_special_tokens=bool(fields.add_special_tokens))]

@@ -112,7 +112,8 @@ class TokenizeApi:
         messages = [_template_message(m) for m in body.messages]
         plan = ToolPlan("auto", tuple(body.tools)) if body.tools else NO_TOOLS
         try:
-            return render_chat_tokens(self.state.tokenizer, messages, body, plan)[1]
+            defaults = self.state.options.chat.default_chat_template_kwargs
+            return render_chat_tokens(self.state.tokenizer, messages, body, plan, defaults)[1]
         except ValueError as exc:  # ChatTemplateRefused (its code), or no template at all
             code = getattr(exc, "code", None)
             raise RequestError(str(exc), param="messages", code=code) from None
