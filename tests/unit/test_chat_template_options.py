@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -14,6 +15,7 @@ import pytest
 
 from corefleet.engine.cli import main, parse_args
 from corefleet.engine.entrypoints.coordinator import CoordinatorOptions
+from corefleet.engine.frontend.input_processor import InputProcessor
 from corefleet.engine.frontend.tokenizer import Tokenizer
 from corefleet.engine.openai.api_options import ApiOptions, api_options_from_args
 from corefleet.engine.openai.chat_render import check_chat_template_fields, render_chat
@@ -28,7 +30,11 @@ from corefleet.engine.openai.chat_template_options import (
 )
 from corefleet.engine.openai.errors import RequestError, parse_request
 from corefleet.engine.openai.extra_fields import check_extra_fields
+from corefleet.engine.openai.pooling_api import PoolingApi
+from corefleet.engine.openai.pooling_protocol import PoolingRequest
 from corefleet.engine.openai.protocol import ChatCompletionRequest, CompletionRequest
+from corefleet.engine.openai.tokenize_api import TokenizeApi
+from corefleet.engine.openai.tokenize_protocol import TokenizeChatRequest
 from tests.fixtures_models import write_tiny_tokenizer
 
 USER = {"role": "user", "content": "hi"}
@@ -226,3 +232,21 @@ def test_the_server_template_replaces_the_models_on_a_copy(tmp_path: Path) -> No
     assert served.chat_template == SHOW and model.chat_template != SHOW
     assert served.backend is model.backend
     assert served.apply_chat_template([USER]).startswith("[user]hi|think=")
+
+
+def test_tokenize_and_pooling_chat_forms_use_the_server_defaults(tiny: Tokenizer) -> None:
+    options = ApiOptions(chat=ChatTemplateOptions(default_chat_template_kwargs={"tone": "dry"}))
+    state: Any = SimpleNamespace(tokenizer=tiny, options=options)
+    expected = tiny.encode("[user]hi|think=|effort=|tone=dry", add_special_tokens=False)
+    body = parse_request(TokenizeChatRequest, {"messages": [USER]})
+    assert TokenizeApi(state)._chat_ids(body) == expected
+    pooling = parse_request(PoolingRequest, {"messages": [USER]})
+    inputs = InputProcessor(tiny, 4096, tiny.vocab_size)
+    assert PoolingApi(state)._token_ids(pooling, inputs, check_length=True) == [expected]
+    # The request's own kwargs win there too.
+    tone = {"chat_template_kwargs": {"tone": "warm"}}
+    warm = tiny.encode("[user]hi|think=|effort=|tone=warm", add_special_tokens=False)
+    body = parse_request(TokenizeChatRequest, {"messages": [USER], **tone})
+    assert TokenizeApi(state)._chat_ids(body) == warm
+    pooling = parse_request(PoolingRequest, {"messages": [USER], **tone})
+    assert PoolingApi(state)._token_ids(pooling, inputs, check_length=True) == [warm]
