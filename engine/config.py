@@ -80,6 +80,13 @@ class ModelConfig:
     seed: int = field(
         default=0, metadata=engine_arg("seed of random sampling for requests without a seed")
     )
+    max_logprobs: int = field(
+        default=20,
+        metadata=engine_arg(
+            "the most logprobs a request may ask for per token (logprobs, top_logprobs, "
+            "prompt_logprobs); -1: the whole vocabulary, which a request asks for with -1"
+        ),
+    )
     runner: Runner = field(
         default="auto",
         metadata=engine_arg(
@@ -101,6 +108,7 @@ class ModelConfig:
         require_choice("quantization", self.quantization, Quantization)
         require_choice("runner", self.runner, Runner)
         parse_pooler_config(self.pooler_config)  # ValueError naming the bad key
+        require(self.max_logprobs >= -1, "max_logprobs", self.max_logprobs, "must be -1 or more")
         if self.max_model_len is not None:
             require(
                 self.max_model_len >= 2, "max_model_len", self.max_model_len, "must be at least 2"

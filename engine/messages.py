@@ -15,6 +15,9 @@ import msgspec
 
 from corefleet.engine.token_controls import validate_token_controls
 
+# vLLM's --max-logprobs default: the most logprobs per token a request may ask for.
+DEFAULT_MAX_LOGPROBS = 20
+
 # Bumped whenever a message changes incompatibly; a HELLO with another version is refused.
 PROTOCOL_VERSION = 1
 
@@ -163,8 +166,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     bad_words_token_ids: list[list[int]] | None = None
     logprob_token_ids: list[int] | None = None
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ``ValueError`` naming the first out-of-range parameter."""
+    def validate(
+        self, vocab_size: int | None = None, max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    ) -> None:
+        """Raise ``ValueError`` naming the first out-of-range parameter. ``max_logprobs``: the
+        engine's ``--max-logprobs``, resolved (the vocabulary size for -1)."""
         # Each rule is a plain test; the message is built only for a failure (this runs for
         # every request, twice on the coordinator).
         if not self.n >= 1:
@@ -191,10 +197,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 _fail("min_tokens", self.min_tokens, rule)
         if not self.min_tokens >= 0:
             _fail("min_tokens", self.min_tokens, "must be >= 0")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            _fail("logprobs", self.logprobs, "must be in [0, 20]")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            _fail("prompt_logprobs", self.prompt_logprobs, "must be in [0, 20]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= max_logprobs:
+            _fail("logprobs", self.logprobs, f"must be in [0, {max_logprobs}] (--max-logprobs)")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= max_logprobs:
+            rule = f"must be in [0, {max_logprobs}] (--max-logprobs)"
+            _fail("prompt_logprobs", self.prompt_logprobs, rule)
         if self.stop and not all(isinstance(s, str) and s for s in self.stop):
             _fail("stop", self.stop, "must be non-empty strings")
         # Any 64-bit integer, as OpenAI and vLLM accept (``-1`` included): torch's generators
@@ -431,6 +438,9 @@ class ReadyResponse(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     enable_prefix_caching: bool = False
     # How the rank orders waiting requests: "fcfs", or "priority" (a request's priority counts).
     scheduling_policy: str = "fcfs"
+    # The most logprobs per token a request may ask for (--max-logprobs; -1 resolved to the
+    # vocabulary's size).
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
 
 
 class Hello(msgspec.Struct, tag="hello", omit_defaults=True, gc=False):

@@ -74,6 +74,8 @@ class EngineCore:
         assert config.model.max_model_len is not None
         self.max_model_len: int = config.model.max_model_len
         self.vocab_size = arch.vocab_size
+        configured = config.model.max_logprobs
+        self.max_logprobs = self.vocab_size if configured == -1 else configured
         self.eos_token_id = arch.eos_token_ids[0] if arch.eos_token_ids else None
         # --runner pooling: what the vectors are (None: this engine generates).
         self.pooler_info = pooler_info(config, arch, self.model_path)
@@ -124,7 +126,7 @@ class EngineCore:
         validate_prompt(request.prompt_token_ids, self.max_model_len, self.vocab_size)
         request = prepare_pooling_request(request, self.pooler_info, self.pooler_dimensions)
         params = request.sampling_params
-        params.validate(self.vocab_size)
+        params.validate(self.vocab_size, self.max_logprobs)
         prepared = Request.from_engine_core_request(request, self.eos_token_id, self.block_hasher)
         if params.structured_outputs is not None:
             # Compiles in the manager's pool; the scheduler admits the request once it is done.
@@ -249,6 +251,7 @@ class EngineCore:
             cache_dtype=self.config.cache.cache_dtype,
             enable_prefix_caching=self.config.cache.enable_prefix_caching,
             scheduling_policy=self.config.scheduler.policy,
+            max_logprobs=self.max_logprobs,
         )
 
     def get_utility(self, name: str) -> Callable[..., Any]:

@@ -11,6 +11,7 @@ import msgspec
 
 from corefleet.engine.frontend.tokenizer import Tokenizer
 from corefleet.engine.messages import (
+    DEFAULT_MAX_LOGPROBS,
     EngineCoreRequest,
     SamplingParams,
     validate_prompt,
@@ -47,10 +48,17 @@ class ProcessedPrompt:
 class InputProcessor:
     """Tokenizes and validates, so that nothing invalid ever reaches an engine."""
 
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        vocab_size: int,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs  # the ranks' --max-logprobs, -1 resolved
 
     def check_text_length(self, text: str) -> None:
         """Refuse, before tokenizing it, a text that cannot fit in the context.
@@ -91,7 +99,8 @@ class InputProcessor:
     ) -> list[EngineCoreRequest]:
         """One engine request per sample (``n`` of them), ids ``{i}_{request_id}`` when n > 1.
         ``cache_salt``: the prompt shares cached KV blocks only with requests of the same salt."""
-        params.validate(self.vocab_size)
+        params = all_vocab_logprobs(params, self.vocab_size)
+        params.validate(self.vocab_size, self.max_logprobs)
         params = self._tokenize_bad_words(params)
         try:
             validate_prompt_length(len(prompt.prompt_token_ids), self.max_model_len)
@@ -152,6 +161,18 @@ class InputProcessor:
                 "tokens can be generated"
             )
         return params
+
+
+def all_vocab_logprobs(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """``params`` with vLLM's ``-1`` (logprobs or prompt_logprobs of the whole vocabulary)
+    as the vocabulary's size."""
+    if params.logprobs != -1 and params.prompt_logprobs != -1:
+        return params
+    return msgspec.structs.replace(
+        params,
+        logprobs=vocab_size if params.logprobs == -1 else params.logprobs,
+        prompt_logprobs=vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs,
+    )
 
 
 def _wrap_int64(value: int) -> int:

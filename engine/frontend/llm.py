@@ -44,7 +44,9 @@ class LLM:
         self.engine_client = client
         info = client.engine_info
         self.tokenizer = Tokenizer.from_model_path(model_path)
-        self.input_processor = InputProcessor(self.tokenizer, info.max_model_len, info.vocab_size)
+        self.input_processor = InputProcessor(
+            self.tokenizer, info.max_model_len, info.vocab_size, info.max_logprobs
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

@@ -23,15 +23,18 @@ from corefleet.engine.openai.serving import Generation
 Body = p.CompletionRequest | p.ChatCompletionRequest
 
 
-def check_beam_request(body: Body, structured: bool) -> None:
-    """400 for what beam search cannot honour. ``structured``: the request is constrained.
+def check_beam_request(body: Body, structured: bool, max_logprobs: int) -> None:
+    """400 for what beam search cannot honour. ``structured``: the request is constrained;
+    ``max_logprobs``: the ranks' ``--max-logprobs`` (each step asks for 2 × n candidates).
 
     Raises:
         RequestError: naming the field.
     """
-    if (body.n or 1) > MAX_BEAM_WIDTH:
+    widest = min(MAX_BEAM_WIDTH, max_logprobs // 2)
+    if (body.n or 1) > widest:
         raise RequestError(
-            f"n={body.n}: beam search keeps at most {MAX_BEAM_WIDTH} beams",
+            f"n={body.n}: beam search keeps at most {widest} beams here (2 × n candidates "
+            f"per step, within --max-logprobs {max_logprobs})",
             param="n",
             code=BEAM_SEARCH_CONFLICT,
         )

@@ -22,7 +22,8 @@ from corefleet.engine.messages import SamplingParams
 from corefleet.engine.openai.errors import RequestError
 from corefleet.engine.openai.serving import Generation
 
-# Candidates per beam and step: 2 × width, within the engine's 20 logprobs.
+# Candidates per beam and step: 2 × width, within the engine's default 20 logprobs (a larger
+# --max-logprobs does not widen it: a beam search's cost grows with the width squared).
 MAX_BEAM_WIDTH = 10
 
 

@@ -146,7 +146,8 @@ class GenerationApi:
         if body.use_beam_search:
             try:
                 constrained = generation.params.structured_outputs is not None
-                check_beam_request(body, constrained or tools.reads_calls)
+                structured = constrained or tools.reads_calls
+                check_beam_request(body, structured, generation.inputs.max_logprobs)
                 return await beam_reply(state, body, generation)
             except RequestError as err:
                 return error_reply(err)
@@ -218,8 +219,8 @@ class _ChatPrompt:
     messages: list[dict[str, Any]]
     fields: ChatTemplateFields  # the request's chat-template options
     tools: ToolPlan = NO_TOOLS
-
     defaults: dict[str, Any] | None = None  # --default-chat-template-kwargs
+
 
 async def _start(
     state: ServerState,
@@ -231,8 +232,10 @@ async def _start(
     """Tokenize and validate, then start the generation. Long prompts go to a worker thread
     (tokenizing them takes a while and must not stall every other request); short ones are
     tokenized at once, since handing them to a thread costs more than tokenizing them."""
-    params = p.to_sampling_params(body, info.vocab_size, tools.constraint, state.structured_outputs)
-    inputs = InputProcessor(state.tokenizer, info.max_model_len, info.vocab_size)
+    params = p.to_sampling_params(
+        body, info.vocab_size, tools.constraint, state.structured_outputs, info.max_logprobs
+    )
+    inputs = InputProcessor(state.tokenizer, info.max_model_len, info.vocab_size, info.max_logprobs)
     request_id = Generation.new_id()
     keep = longest_prompt(body.truncate_prompt_tokens, info.max_model_len)
     priority = _priority(body.priority, info)

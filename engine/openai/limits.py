@@ -17,8 +17,6 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1000  # a longer stop string would hold back the whole stream
 MAX_STOP_TOKEN_IDS = 1024
 MAX_MESSAGES = 4096
-MAX_COMPLETION_LOGPROBS = 5  # OpenAI's legacy completions limit
-MAX_TOP_LOGPROBS = 20  # OpenAI's and vLLM's chat limit
 # A grammar (JSON schema, regex, choices, EBNF) is checked on the event loop before queueing:
 # bounded so that a check stays a millisecond-scale task, whatever a client sends.
 MAX_GRAMMAR_CHARS = 64 * 1024

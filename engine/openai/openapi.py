@@ -126,10 +126,22 @@ def _is(field: str, value: Any) -> Schema:
 
 
 def _sampling_rules(
-    schema: Schema, model_name: str, max_n: int, max_model_len: int | None, vocab: int | None
+    schema: Schema,
+    model_name: str,
+    max_n: int,
+    max_model_len: int | None,
+    vocab: int | None,
+    max_logprobs: int | None = None,
+    priority_scheduling: bool = False,
 ) -> None:
     """The bounds and rules both generation endpoints share, patched into ``schema``."""
     props = schema["properties"]
+    if not priority_scheduling:
+        props["priority"] = _only([0, None], "any value only under --scheduling-policy priority")
+    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+        if max_logprobs is not None and vocab is not None and name in props:
+            # -1 (the whole vocabulary) only where --max-logprobs allows that many.
+            _int(props[name], minimum=-1 if vocab <= max_logprobs else 0, maximum=max_logprobs)
     props["model"] = {"enum": [model_name, None], "default": None, "title": "Model"}
     _int(props["n"], maximum=max_n)
     for branch in props["stop_token_ids"]["anyOf"]:
@@ -329,6 +341,8 @@ def openapi_document(
     vocab_size: int | None = None,
     limits: RequestLimits | None = None,
     tokenizer_info: bool = False,
+    max_logprobs: int | None = None,
+    priority_scheduling: bool = False,
 ) -> dict[str, Any]:
     """The API's OpenAPI 3.1 document, for these values (cached: treat it as read-only).
 
@@ -340,6 +354,8 @@ def openapi_document(
             rank is ready (the bounds that depend on them are then left out).
         limits: the request limits, for the 408 and 413 descriptions.
         tokenizer_info: ``GET /tokenizer_info`` is served (--enable-tokenizer-info-endpoint).
+        max_logprobs: the ranks' ``--max-logprobs`` (-1 resolved); None while no rank is ready.
+        priority_scheduling: the ranks schedule by ``priority`` (else only 0 is accepted).
     """
     requests = _schemas([p.CompletionRequest, p.ChatCompletionRequest], "validation")
     models: list[type[BaseModel]] = [p.CompletionResponse, p.ChatCompletionResponse, p.ModelList]
@@ -347,7 +363,15 @@ def openapi_document(
     # Left out, not null, unless --enable-prompt-tokens-details reports a hit (as vLLM).
     responses["UsageInfo"]["required"].remove("prompt_tokens_details")
     for name in ("CompletionRequest", "ChatCompletionRequest"):
-        _sampling_rules(requests[name], model_name, max_n, max_model_len, vocab_size)
+        _sampling_rules(
+            requests[name],
+            model_name,
+            max_n,
+            max_model_len,
+            vocab_size,
+            max_logprobs,
+            priority_scheduling,
+        )
     _completion_rules(requests["CompletionRequest"], max_n, max_model_len, vocab_size)
     _chat_rules(requests["ChatCompletionRequest"], requests["ChatMessage"])
     # The utility routes' schemas first: they share ChatMessage (and its tools) with the chat
@@ -389,6 +413,8 @@ def served_openapi(
         max_n=max_n,
         max_model_len=info.max_model_len if info else None,
         vocab_size=info.vocab_size if info else None,
+        max_logprobs=info.max_logprobs if info else None,
+        priority_scheduling=info is not None and info.scheduling_policy == "priority",
         limits=limits,
         tokenizer_info=tokenizer_info,
     )

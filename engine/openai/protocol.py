@@ -26,7 +26,13 @@ from pydantic import (
     model_validator,
 )
 
-from corefleet.engine.messages import FinishReason, SamplingParams, StructuredOutputsParams
+from corefleet.engine.frontend.input_processor import all_vocab_logprobs
+from corefleet.engine.messages import (
+    DEFAULT_MAX_LOGPROBS,
+    FinishReason,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from corefleet.engine.openai import limits
 from corefleet.engine.openai.chat_render import MAX_ROLE_CHARS, ChatCompletionTemplateFields
 from corefleet.engine.openai.errors import (
@@ -96,6 +102,9 @@ _WHOLE = BeforeValidator(_whole)
 Int64 = Annotated[int, Field(ge=limits.INT64_MIN, le=limits.INT64_MAX), _WHOLE]
 PositiveInt64 = Annotated[int, Field(ge=1, le=limits.INT64_MAX), _WHOLE]
 NonNegativeInt64 = Annotated[int, Field(ge=0, le=limits.INT64_MAX), _WHOLE]
+# How many logprobs per token: up to the ranks' --max-logprobs (checked when served), -1 for
+# the whole vocabulary (vLLM's).
+Logprobs = Annotated[int, Field(ge=-1, le=limits.INT64_MAX), _WHOLE]
 StopString = Annotated[str, Field(min_length=1, max_length=limits.MAX_STOP_STRING_CHARS)]
 _StopInput = (
     StopString | Annotated[list[StopString], Field(max_length=limits.MAX_STOP_STRINGS)] | None
@@ -191,7 +200,7 @@ class _SamplingRequest(BaseModel):
     logprob_token_ids: LogprobTokenIds | None = None
     # vLLM's: the logprob of every prompt token and its top-N (the first is null). A request
     # with them computes its whole prompt: the prefix cache has no logits to give.
-    prompt_logprobs: Annotated[int, Field(ge=0, le=limits.MAX_TOP_LOGPROBS), _WHOLE] | None = None
+    prompt_logprobs: Logprobs | None = None
     # vLLM's: tokens in logprobs as "token_id:<id>" (None: --return-tokens-as-token-ids), and
     # the prompt's and the answer's token ids in the response.
     return_tokens_as_token_ids: bool | None = None
@@ -231,7 +240,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     # Explicit null: up to the context length, as vLLM; 0 only with echo (the prompt alone).
     max_tokens: NonNegativeInt64 | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=limits.MAX_COMPLETION_LOGPROBS), _WHOLE] | None = None
+    logprobs: Logprobs | None = None
     echo: bool | None = False  # the prompt before the completion (``echo.py``)
     suffix: str | None = None
     best_of: PositiveInt64 | None = None
@@ -269,7 +278,7 @@ class ChatCompletionRequest(_SamplingRequest, ChatCompletionTemplateFields):
     max_tokens: PositiveInt64 | None = None
     max_completion_tokens: PositiveInt64 | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=limits.MAX_TOP_LOGPROBS), _WHOLE] | None = None
+    top_logprobs: Logprobs | None = None
     tools: list[ToolDefinition] | None = Field(default=None, max_length=limits.MAX_TOOLS)
     tool_choice: ToolChoice | None = None  # None: auto with tools, none without (tool_request)
     parallel_tool_calls: bool | None = None
@@ -320,10 +329,12 @@ def to_sampling_params(
     vocab_size: int | None = None,
     tools: StructuredOutputsParams | None = None,
     output_config: StructuredOutputsConfig | None = None,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
 ) -> SamplingParams:
     """The engine's :class:`SamplingParams` for ``request``, validated. ``tools``: the
     constraint of its ``tool_choice`` (``tool_request.ToolPlan.constraint``); ``output_config``:
-    the server's ``--structured-outputs-config`` (None: its defaults).
+    the server's ``--structured-outputs-config`` (None: its defaults); ``max_logprobs``: the
+    ranks' ``--max-logprobs`` (a ``-1`` asks for the whole vocabulary).
 
     Raises:
         RequestError: 400 naming the request field (``top_logprobs``, not the engine's
@@ -394,7 +405,9 @@ def to_sampling_params(
         prompt_logprobs=prompt_logprobs,
     )
     try:
-        params.validate(vocab_size)
+        if vocab_size is not None:
+            params = all_vocab_logprobs(params, vocab_size)
+        params.validate(vocab_size, max_logprobs)
     except ValueError as exc:
         raise error_from_sampling(exc, renamed) from None
     return params

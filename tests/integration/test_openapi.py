@@ -24,6 +24,7 @@ from schemathesis.specs.openapi import checks as st_checks
 
 from corefleet.engine.frontend.input_processor import ContextLengthExceeded, EmptyPrompt
 from corefleet.engine.frontend.tokenizer import ChatTemplateRefused
+from corefleet.engine.messages import DEFAULT_MAX_LOGPROBS
 from corefleet.engine.openai.errors import (
     CHAT_TEMPLATE_REFUSED,
     CONTEXT_LENGTH_EXCEEDED,
@@ -97,7 +98,12 @@ def document(server: str) -> dict[str, Any]:
 # The document the server below serves (test_the_served_document_is_the_fuzzed_one): built
 # here, since pytest collects one test per operation before any server runs.
 DOCUMENT = openapi_document(
-    "m", auth=True, max_n=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN, vocab_size=TINY_VOCAB
+    "m",
+    auth=True,
+    max_n=MAX_NUM_SEQS,
+    max_model_len=MAX_MODEL_LEN,
+    vocab_size=TINY_VOCAB,
+    max_logprobs=DEFAULT_MAX_LOGPROBS,
 )
 CONFIG = schemathesis.Config.from_dict(
     {
@@ -142,6 +148,11 @@ def test_the_document_carries_the_served_bounds(document: dict[str, Any]) -> Non
     max_tokens = [b for b in completion["max_tokens"]["anyOf"] if b.get("type") == "integer"]
     # 0 answers the prompt alone, with echo (the zero_max_tokens_without_echo code otherwise).
     assert (max_tokens[0]["minimum"], max_tokens[0]["maximum"]) == (0, MAX_MODEL_LEN - 1)
+    # --max-logprobs (20 here, below the vocabulary: no -1), fcfs ranks (priority 0 only).
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    top = {"type": "integer", "minimum": 0, "maximum": DEFAULT_MAX_LOGPROBS}
+    assert top in chat["top_logprobs"]["anyOf"] and top in completion["logprobs"]["anyOf"]
+    assert chat["priority"]["anyOf"] == [{"const": 0}, {"const": None}]
     raw = json.dumps(document)
     for keyword in ("ge", "gt", "le", "lt"):  # a pydantic bound it could not put in JSON Schema
         assert f'"{keyword}":' not in raw

@@ -22,6 +22,7 @@ FLAGS = (
     *("--dtype", "float32", "--kv-cache-memory", str(256 << 20), "--max-model-len", "512"),
     *("--return-tokens-as-token-ids", "--enable-force-include-usage"),
     "--enable-prompt-tokens-details",
+    *("--max-logprobs", "-1"),
 )
 
 
@@ -193,3 +194,18 @@ def test_return_prompt_text_is_the_rendered_prompt(base: str, tokenizer: Tokeniz
     chunks = _events(base, "/v1/chat/completions", body | {"stream": True})
     assert chunks[0]["prompt_text"] == whole["prompt_text"]
     assert all("prompt_text" not in c for c in chunks[1:])
+
+
+def test_top_logprobs_minus_one_is_the_whole_vocabulary(base: str, tokenizer: Tokenizer) -> None:
+    body = {"messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": -1}
+    whole = _post(base, "/v1/chat/completions", body | {"return_tokens_as_token_ids": True})
+    content = whole.json()["choices"][0]["logprobs"]["content"]
+    vocab = {f"token_id:{i}" for i in range(tokenizer.vocab_size)}
+    assert all({t["token"] for t in c["top_logprobs"]} == vocab for c in content)
+    ranked = [t["logprob"] for t in content[0]["top_logprobs"]]
+    assert ranked == sorted(ranked, reverse=True)
+    reply = _post(base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "logprobs": -1})
+    assert len(reply.json()["choices"][0]["logprobs"]["top_logprobs"][0]) > 1000
+    for field, value in (("top_logprobs", -2), ("top_logprobs", 10**6)):
+        refused = _post(base, "/v1/chat/completions", body | {field: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field

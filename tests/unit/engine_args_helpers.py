@@ -15,6 +15,7 @@ NON_DEFAULT: dict[str, object] = {
     "seed": 1234,
     "runner": "pooling",
     "pooler_config": '{"pooling_type": "MEAN", "use_activation": false}',
+    "max_logprobs": -1,
     "max_num_seqs": 7,
     "max_num_batched_tokens": 513,
     "enable_chunked_prefill": False,

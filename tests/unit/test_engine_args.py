@@ -49,6 +49,7 @@ VLLM_FLAGS = {
     "--seed",
     "--runner",
     "--pooler-config",
+    "--max-logprobs",
     "--max-num-seqs",
     "--max-num-batched-tokens",
     "--enable-chunked-prefill",

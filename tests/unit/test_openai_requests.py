@@ -179,7 +179,7 @@ def test_completion_prompt_forms(prompt: Any, inputs: list[Any]) -> None:
         (ChatCompletionRequest, {"messages": [{"role": "", "content": "x"}]}, "messages"),
         (ChatCompletionRequest, {"messages": [{"role": "user"}]}, "messages"),
         (CompletionRequest, {**COMPLETION, "max_tokens": 0}, "max_tokens"),
-        (CompletionRequest, {**COMPLETION, "logprobs": 6}, "logprobs"),
+        (CompletionRequest, {**COMPLETION, "logprobs": 21}, "logprobs"),
         (CompletionRequest, {**COMPLETION, "logprobs": -1}, "logprobs"),
         (CompletionRequest, {**COMPLETION, "max_tokens": 0, "echo": False}, "max_tokens"),
         (CompletionRequest, {**COMPLETION, "prompt_logprobs": 21}, "prompt_logprobs"),
