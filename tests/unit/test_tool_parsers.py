@@ -462,4 +462,3 @@ def test_large_text_one_character_at_a_time(
         pieces += extractor.feed(char)
     assert _merge(pieces + extractor.finish()) == (expected or [text])
     assert _whole(mode, text) == (expected or [text])
-
