@@ -36,6 +36,7 @@ from corefleet.engine.openai.responses import (
     completion_chunks,
     completion_response,
 )
+from corefleet.engine.openai.sampling_request import to_sampling_params
 from corefleet.engine.openai.server_state import ServerState
 from corefleet.engine.openai.serving import Generation
 from corefleet.engine.openai.structured_request import check_constraint, constraint_chars
@@ -232,7 +233,7 @@ async def _start(
     """Tokenize and validate, then start the generation. Long prompts go to a worker thread
     (tokenizing them takes a while and must not stall every other request); short ones are
     tokenized at once, since handing them to a thread costs more than tokenizing them."""
-    params = p.to_sampling_params(
+    params = to_sampling_params(
         body, info.vocab_size, tools.constraint, state.structured_outputs, info.max_logprobs
     )
     inputs = InputProcessor(state.tokenizer, info.max_model_len, info.vocab_size, info.max_logprobs)

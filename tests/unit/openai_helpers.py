@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from corefleet.engine.openai.errors import RequestError, parse_request
-from corefleet.engine.openai.protocol import to_sampling_params
+from corefleet.engine.openai.sampling_request import to_sampling_params
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "hi"}

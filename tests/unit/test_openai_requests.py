@@ -16,8 +16,8 @@ from corefleet.engine.openai.errors import (
 from corefleet.engine.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    to_sampling_params,
 )
+from corefleet.engine.openai.sampling_request import to_sampling_params
 from tests.unit.openai_helpers import CHAT, COMPLETION, refused
 
 

@@ -16,8 +16,8 @@ from corefleet.engine.openai.errors import RequestError
 from corefleet.engine.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    to_sampling_params,
 )
+from corefleet.engine.openai.sampling_request import to_sampling_params
 from corefleet.engine.openai.structured_options import (
     StructuredOutputsConfig,
     parse_structured_outputs_config,

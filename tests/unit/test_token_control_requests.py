@@ -13,8 +13,8 @@ from corefleet.engine.openai.errors import RequestError, parse_request
 from corefleet.engine.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    to_sampling_params,
 )
+from corefleet.engine.openai.sampling_request import to_sampling_params
 from corefleet.engine.openai.token_request import below_pattern
 from corefleet.engine.token_controls import (
     MAX_BAD_WORDS,

@@ -12,7 +12,8 @@ import pytest
 
 from corefleet.engine.openai import limits
 from corefleet.engine.openai.errors import RequestError, parse_request
-from corefleet.engine.openai.protocol import ChatCompletionRequest, to_sampling_params
+from corefleet.engine.openai.protocol import ChatCompletionRequest
+from corefleet.engine.openai.sampling_request import to_sampling_params
 from corefleet.engine.openai.structured_request import check_constraint
 from corefleet.engine.openai.tool_options import ToolOptions
 from corefleet.engine.openai.tool_output import StreamedCalls, tool_finish_reason, whole_message
