@@ -23,13 +23,13 @@ from corefleet.engine.messages import (
     PoolerInfo,
     PoolingParams,
 )
-from corefleet.engine.models.arch import ArchConfig
 from corefleet.engine.pooler_config import check_dimensions, parse_pooler_config, resolve_runner
 from corefleet.engine.request import Request, RequestStatus
 
 
-def pooler_info(config: EngineConfig, arch: ArchConfig, model_path: str) -> PoolerInfo | None:
-    """What a pooling rank tells its clients (None for a generating one). Matryoshka models
+def pooler_info(config: EngineConfig, hidden_size: int, model_path: str) -> PoolerInfo | None:
+    """What a pooling rank tells its clients (None for a generating one), for a model whose
+    hidden states have ``hidden_size`` values (the core does not read models). Matryoshka models
     say so in their ``config.json`` (``is_matryoshka``, ``matryoshka_dimensions``), as vLLM
     reads them; only those may shorten vectors with ``dimensions``."""
     if resolve_runner(config.model.runner) != "pooling":
@@ -44,7 +44,7 @@ def pooler_info(config: EngineConfig, arch: ArchConfig, model_path: str) -> Pool
     info = PoolerInfo(
         pooling_type=pooler.pooling_type,
         use_activation=pooler.use_activation,
-        hidden_size=arch.hidden_size,
+        hidden_size=hidden_size,
         is_matryoshka=bool(hf_config.get("is_matryoshka")) or dimensions is not None,
         matryoshka_dimensions=dimensions,
     )

@@ -78,7 +78,7 @@ class EngineCore:
         self.max_logprobs = self.vocab_size if configured == -1 else configured
         self.eos_token_id = arch.eos_token_ids[0] if arch.eos_token_ids else None
         # --runner pooling: what the vectors are (None: this engine generates).
-        self.pooler_info = pooler_info(config, arch, self.model_path)
+        self.pooler_info = pooler_info(config, arch.hidden_size, self.model_path)
         self.pooler_dimensions = parse_pooler_config(config.model.pooler_config).dimensions
 
         self.executor: Executor = executor_class(config, self.model_path)

@@ -65,7 +65,8 @@ class PerEngine(Generic[_Child]):
     use (ranks join at any time)."""
 
     def __init__(self, metric: _Child, model_name: str) -> None:
-        self.metric, self.model_name = metric, model_name
+        self.metric: _Child = metric
+        self.model_name = model_name
         self._children: dict[str, _Child] = {}
 
     def __call__(self, engine: str) -> _Child:

@@ -139,7 +139,7 @@ def _answers(ok: Schema, auth: bool, errors: dict[str, str]) -> Schema:
 
 def responses_paths(auth: bool) -> Schema:
     """``/v1/responses`` and ``/v1/responses/{response_id}``."""
-    security = {"security": [{"bearer": []}]} if auth else {}
+    security: Schema = {"security": [{"bearer": []}]} if auth else {}
     created = {
         "description": "The response (JSON), or its events (text/event-stream) with stream=true",
         "content": {

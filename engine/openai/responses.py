@@ -172,8 +172,8 @@ async def completion_chunks(
         usage = counts.usage(d.index) if shape.chunk_usage else None
         finish_reason = p.openai_finish_reason(d.finish_reason)
         if shape.top_k is None and not shape.token_ids:
-            choice = {"index": d.index, "text": d.text, "finish_reason": finish_reason}
-            yield events.choice(choice, usage)
+            plain = {"index": d.index, "text": d.text, "finish_reason": finish_reason}
+            yield events.choice(plain, usage)
             continue
         choice = p.CompletionChoice(index=d.index, text=d.text, finish_reason=finish_reason)
         if shape.top_k is not None:
@@ -324,8 +324,8 @@ async def chat_chunks(
             # The chunk's tokens, logprobs and usage go with its last piece.
             chunk_usage = usage if last else None
             if top_k is None and not shape.token_ids:
-                choice = {"index": d.index, "delta": delta, "finish_reason": reason}
-                yield events.choice(choice, chunk_usage, first)
+                plain = {"index": d.index, "delta": delta, "finish_reason": reason}
+                yield events.choice(plain, chunk_usage, first)
                 first = None  # the stream's first chunk alone carries them
                 continue
             choice = p.ChatChunkChoice(

@@ -69,7 +69,9 @@ async def stream_events(
     async for d in _timed(metrics, generation):
         tokens += len(d.token_ids)
         reason = p.openai_finish_reason(d.finish_reason)
-        pieces = [{"content": d.text}] if calls is None else calls.feed(d.text)
+        pieces: list[dict[str, Any]] = (
+            [{"content": d.text}] if calls is None else calls.feed(d.text)
+        )
         if calls is not None and reason is not None:
             pieces += calls.finish(reason)
         for piece in pieces:
