@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from corefleet.engine import envs
 from corefleet.engine.config import CacheConfig
 from corefleet.engine.coordinator.routing import POLICY_NAMES
-from corefleet.engine.engine_args import add_engine_args, engine_kwargs_from_args
+from corefleet.engine.engine_args import add_engine_args
+from corefleet.engine.entrypoints.offline_commands import chat_command, generate_command
 from corefleet.engine.entrypoints.rank_cpus import add_rank_cpu_args
-from corefleet.engine.messages import SamplingParams
 from corefleet.engine.openai.api_options import add_api_args
 from corefleet.engine.openai.limits import add_limit_args
 from corefleet.engine.openai.server_options import add_server_args
@@ -284,9 +284,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         if args.command == "generate":
-            return _generate(args)
+            return generate_command(args)
         if args.command == "chat":
-            return _chat(args)
+            return chat_command(args)
         if args.command == "engine-core":
             return _engine_core(args)
         if args.command in ("serve", "coordinator"):
@@ -295,39 +295,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"corefleet: error: {exc}", file=sys.stderr)
         return 2
     return 1
-
-
-def _params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.sampling_seed,
-        stop=list(args.stop),
-    )
-
-
-def _generate(args: argparse.Namespace) -> int:
-    from corefleet.engine.frontend.llm import LLM
-
-    llm = LLM(**engine_kwargs_from_args(args))
-    params = _params(args)
-    if args.chat:
-        outputs = llm.chat(
-            [[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False
-        )
-    else:
-        outputs = llm.generate(args.prompt, params, use_tqdm=False)
-    for out in outputs:
-        completion = out.outputs[0]
-        print(completion.text)
-        print(
-            f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]",
-            file=sys.stderr,
-        )
-    llm.shutdown()
-    return 0
 
 
 def _engine_core(args: argparse.Namespace) -> int:
@@ -376,29 +343,6 @@ def _serve(args: argparse.Namespace) -> int:
     from corefleet.engine.entrypoints.serve_command import serve_command
 
     return serve_command(args)
-
-
-def _chat(args: argparse.Namespace) -> int:
-    from corefleet.engine.frontend.llm import LLM
-
-    llm = LLM(**engine_kwargs_from_args(args))
-    params = _params(args)
-    history: list[dict[str, str]] = []
-    if args.system:
-        history.append({"role": "system", "content": args.system})
-    interactive = sys.stdin.isatty()
-    while True:
-        if interactive:
-            print("> ", end="", flush=True)
-        line = sys.stdin.readline()
-        if not line or not line.strip():
-            break
-        history.append({"role": "user", "content": line.strip()})
-        reply = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
-        history.append({"role": "assistant", "content": reply})
-        print(reply, flush=True)
-    llm.shutdown()
-    return 0
 
 
 if __name__ == "__main__":
