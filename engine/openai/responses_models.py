@@ -16,10 +16,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from corefleet.engine.openai import limits
+from corefleet.engine.openai.protocol import PositiveInt64
 from corefleet.engine.openai.tool_request import FUNCTION_NAME_PATTERN
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-_PositiveInt = Annotated[int, Field(ge=1, le=limits.INT64_MAX)]
 
 
 class InputText(BaseModel):
@@ -118,7 +118,7 @@ class ResponsesRequest(BaseModel):
     input: str | Annotated[list[InputItem], Field(min_length=1, max_length=limits.MAX_MESSAGES)]
     instructions: str | None = None
     previous_response_id: str | None = None
-    max_output_tokens: _PositiveInt | None = None
+    max_output_tokens: PositiveInt64 | None = None  # 5.0 is 5, as in every request
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     stream: bool | None = False
