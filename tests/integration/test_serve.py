@@ -123,14 +123,14 @@ def test_fields_that_would_change_the_answer_are_400s_and_unknown_ones_pass(
     client: openai.OpenAI,
 ) -> None:
     messages: Any = [{"role": "user", "content": "hi"}]
-    with pytest.raises(openai.BadRequestError, match="prompt logprobs") as err:
+    with pytest.raises(openai.BadRequestError, match="KV transfer") as err:
         client.chat.completions.create(
             model="m",
             messages=messages,
             max_tokens=2,
-            extra_body={"prompt_logprobs": 1},
+            extra_body={"kv_transfer_params": {"do_remote_prefill": True}},
         )
-    assert err.value.body["param"] == "prompt_logprobs"  # type: ignore[index]
+    assert err.value.body["param"] == "kv_transfer_params"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="m", messages=messages, tool_choice="required")
     assert err.value.body["param"] == "tool_choice"  # type: ignore[index]
