@@ -10,10 +10,12 @@ their latest ``EngineStats`` at scrape time (``metrics_fleet.py``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from corefleet.engine.coordinator.fleet_client import FleetClient
 from corefleet.engine.messages import EngineCoreRequest
@@ -99,6 +101,22 @@ class TokenHistograms:
         )
 
 
+class RenamedHistogram(Collector):
+    """Another histogram's samples under another name (a deprecated alias), at scrape time."""
+
+    def __init__(self, source: Histogram, name: str, doc: str) -> None:
+        self.source, self.name, self.doc = source, name, doc
+        self.source_name = source._name  # prometheus_client's own name, without a suffix
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            renamed = Metric(self.name, self.doc, family.type)
+            for sample in family.samples:
+                suffix = sample.name[len(self.source_name) :]
+                renamed.add_sample(self.name + suffix, sample.labels, sample.value)
+            yield renamed
+
+
 class ServingMetrics:
     """The registry behind ``/metrics`` and the handles the request metrics record into."""
 
@@ -124,12 +142,15 @@ class ServingMetrics:
             "Histogram of inter-token latency in seconds.",
             ITL_BUCKETS,
         )
-        # vLLM's name before 0.11, which its example dashboard still reads: the same values.
-        self.tpot = histogram(
-            "vllm:time_per_output_token_seconds",
-            "Histogram of time per output token in seconds. "
-            "DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
-            ITL_BUCKETS,
+        # vLLM's name before 0.11, which its example dashboard still reads: the same values,
+        # copied from the ITL histogram at scrape time rather than observed twice per token.
+        registry.register(
+            RenamedHistogram(
+                self.itl.metric,
+                "vllm:time_per_output_token_seconds",
+                "Histogram of time per output token in seconds. "
+                "DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
+            )
         )
         self.request_tpot = histogram(
             "vllm:request_time_per_output_token_seconds",

@@ -123,8 +123,7 @@ class RequestStats:
             metrics.ttft(engine).observe(time.monotonic() - self.arrival)
         elif sample.last_token_ts:  # not the first output on this rank
             latency = engine_time - sample.last_token_ts
-            metrics.itl(engine).observe(latency)
-            metrics.tpot(engine).observe(latency)
+            metrics.itl(engine).observe(latency)  # also vllm:time_per_output_token_seconds
         if not sample.first_token_ts:
             sample.first_token_ts = engine_time
         sample.last_token_ts = engine_time
