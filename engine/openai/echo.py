@@ -54,13 +54,14 @@ class CompletionEcho:
     def prompt_text(self, choice: int) -> str:
         return self.generation.prompt_text(choice)
 
-    async def deltas(self, deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
+    def deltas(self, deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
         """``deltas`` with each choice's prompt text before its first delta's (and in the
-        final text); with ``max_tokens: 0``, the engine's one token taken out."""
+        final text); with ``max_tokens: 0``, the engine's one token taken out. Without echo,
+        ``deltas`` themselves: no generator layer on every streamed token."""
+        return self._echoed(deltas) if self.enabled else deltas
+
+    async def _echoed(self, deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
         async for d in deltas:
-            if not self.enabled:
-                yield d
-                continue
             if self.drop_output:
                 d.text, d.token_ids, d.logprobs = "", [], []
                 d.full_text = None if d.full_text is None else ""

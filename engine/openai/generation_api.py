@@ -179,13 +179,7 @@ def _admit(
 ) -> tuple[Ticket, ReadyResponse]:
     """Checks that need no tokenizing, then a place among the requests in flight (or 429).
     Also returns what the first ready rank said of itself (limits, vocabulary)."""
-    if body.model is not None and body.model != state.model_name:
-        raise RequestError(
-            f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
-            status=404,
-            param="model",
-            code="model_not_found",
-        )
+    state.check_model(body.model)
     info = state.engine_info()  # 503 while no rank is ready
     refuse_generation(info)  # 404 from a --runner pooling server
     _check_choices(body, num_prompts, state.limits.effective_max_n(info.max_num_seqs))

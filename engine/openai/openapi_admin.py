@@ -11,6 +11,17 @@ JSON = "application/json"
 REF_TEMPLATE = "#/components/schemas/{model}"
 
 
+# The answers of a POST route besides 200 (401 too, with API keys): components/responses.
+POST_ERRORS = {
+    "400": "BadRequest",
+    "404": "ModelNotFound",
+    "408": "RequestTimeout",
+    "413": "PayloadTooLarge",
+    "429": "TooManyRequests",
+    "503": "Unavailable",
+}
+
+
 def component_ref(name: str) -> Schema:
     """A reference to the component schema ``name``."""
     return {"$ref": REF_TEMPLATE.format(model=name)}

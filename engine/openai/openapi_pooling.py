@@ -8,7 +8,12 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-from corefleet.engine.openai.openapi_admin import REF_TEMPLATE, Schema, component_ref
+from corefleet.engine.openai.openapi_admin import (
+    POST_ERRORS,
+    REF_TEMPLATE,
+    Schema,
+    component_ref,
+)
 from corefleet.engine.openai.pooling_protocol import (
     EmbeddingResponse,
     PoolingRequest,
@@ -17,20 +22,12 @@ from corefleet.engine.openai.pooling_protocol import (
 
 JSON = "application/json"
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-_ERRORS = {
-    "400": "BadRequest",
-    "404": "ModelNotFound",
-    "408": "RequestTimeout",
-    "413": "PayloadTooLarge",
-    "429": "TooManyRequests",
-    "503": "Unavailable",
-}
 
 
 def _operation(op_id: str, response: str, summary: str, auth: bool) -> Schema:
     ok = {"description": summary, "content": {JSON: {"schema": component_ref(response)}}}
     responses = {"200": ok} | {
-        status: {"$ref": f"#/components/responses/{name}"} for status, name in _ERRORS.items()
+        status: {"$ref": f"#/components/responses/{name}"} for status, name in POST_ERRORS.items()
     }
     body = {"required": True, "content": {JSON: {"schema": component_ref("PoolingRequest")}}}
     out: Schema = {

@@ -6,19 +6,16 @@ from __future__ import annotations
 
 from pydantic.json_schema import models_json_schema
 
-from corefleet.engine.openai.openapi_admin import REF_TEMPLATE, Schema, component_ref
+from corefleet.engine.openai.openapi_admin import (
+    POST_ERRORS,
+    REF_TEMPLATE,
+    Schema,
+    component_ref,
+)
 from corefleet.engine.openai.responses_models import ResponsesRequest
 
 JSON, SSE = "application/json", "text/event-stream"
 _STRING, _INT = {"type": "string"}, {"type": "integer"}
-_ERRORS = {
-    "400": "BadRequest",
-    "404": "ModelNotFound",
-    "408": "RequestTimeout",
-    "413": "PayloadTooLarge",
-    "429": "TooManyRequests",
-    "503": "Unavailable",
-}
 
 _OUTPUT_TEXT: Schema = {
     "type": "object",
@@ -166,7 +163,7 @@ def responses_paths(auth: bool) -> Schema:
                     "required": True,
                     "content": {JSON: {"schema": component_ref("ResponsesRequest")}},
                 },
-                "responses": _answers(created, auth, _ERRORS),
+                "responses": _answers(created, auth, POST_ERRORS),
                 **security,
             }
         },

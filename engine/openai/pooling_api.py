@@ -42,6 +42,7 @@ from corefleet.engine.openai.replies import Reply, error_reply, json_reply
 from corefleet.engine.openai.request_metrics import RequestStats
 from corefleet.engine.openai.server_state import ServerState
 from corefleet.engine.openai.serving import Generation
+from corefleet.engine.openai.truncation import longest_prompt
 from corefleet.engine.pooler_config import check_dimensions
 
 # Inputs up to this many characters in all are tokenized on the event loop (as generation's).
@@ -123,13 +124,7 @@ class PoolingApi:
     ) -> tuple[ReadyResponse, PoolerInfo]:
         """The ready ranks' description; 404 for another model or a generating server."""
         state = self.state
-        if body.model is not None and body.model != state.model_name:
-            raise RequestError(
-                f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
-                status=404,
-                param="model",
-                code="model_not_found",
-            )
+        state.check_model(body.model)
         info = state.engine_info()  # 503 while no rank is ready
         if info.pooler is None:
             path = "/v1/embeddings" if embeddings else "/pooling"
@@ -147,7 +142,7 @@ class PoolingApi:
         """Tokenized, truncated and validated engine requests, one per input (long texts are
         tokenized in a worker thread, as generation's)."""
         inputs = InputProcessor(self.state.tokenizer, info.max_model_len, info.vocab_size)
-        longest = _longest_prompt(body.truncate_prompt_tokens, info.max_model_len)
+        longest = longest_prompt(body.truncate_prompt_tokens, info.max_model_len)
         field = "input" if body.input is not None else "messages"
         request_id = Generation.new_id()
 
@@ -226,22 +221,6 @@ def _pooling_params(body: PoolingRequest, pooler: PoolerInfo) -> PoolingParams:
         except ValueError as exc:
             raise RequestError(str(exc), param="dimensions") from None
     return PoolingParams(dimensions=body.dimensions, use_activation=body.use_activation)
-
-
-def _longest_prompt(truncate: int | None, max_model_len: int) -> int | None:
-    """How many last tokens ``truncate_prompt_tokens`` keeps (None: no truncation)."""
-    if truncate is None:
-        return None
-    most = max_model_len - 1  # as generation's prompts: one position stays free
-    if truncate == -1:
-        return most
-    if not 1 <= truncate <= most:
-        raise RequestError(
-            f"truncate_prompt_tokens={truncate} must be -1 or in [1, {most}] (max_model_len "
-            f"is {max_model_len})",
-            param="truncate_prompt_tokens",
-        )
-    return truncate
 
 
 def _text_chars(body: PoolingRequest) -> int:

@@ -45,6 +45,17 @@ class ServerState:
         )
         self.metrics.watch_admission(self.limiter)
 
+    def check_model(self, model: str | None) -> None:
+        """404 ``model_not_found`` unless ``model`` is the served name (None: the served
+        model, as vLLM and OpenAI's own default)."""
+        if model is not None and model != self.model_name:
+            raise RequestError(
+                f"the model {model[:256]!r} does not exist; this server serves {self.model_name!r}",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+
     def engine_info(self) -> ReadyResponse:
         # A coordinator shutting down still serves what reaches it (its readiness sends new
         # clients elsewhere, and each response closes its connection): refusing would fail

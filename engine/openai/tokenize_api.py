@@ -50,7 +50,7 @@ class TokenizeApi:
         """``POST /tokenize``: ``messages`` selects the chat form, else the prompt form."""
         try:
             body = _tokenize_request(raw)
-            self._check_model(body.model)
+            self.state.check_model(body.model)
             max_model_len = self.state.engine_info().max_model_len  # 503 while no rank
             if isinstance(body, TokenizeChatRequest):
                 trusted = self.state.options.trust_request_chat_template
@@ -74,7 +74,7 @@ class TokenizeApi:
         tokenizer = self.state.tokenizer
         try:
             body = parse_request(DetokenizeRequest, raw)
-            self._check_model(body.model)
+            self.state.check_model(body.model)
             vocab = tokenizer.vocab_size
             bad = next((t for t in body.tokens if t >= vocab), None)
             if bad is not None:
@@ -91,16 +91,6 @@ class TokenizeApi:
     def tokenizer_info(self) -> dict[str, Any]:
         """``GET /tokenizer_info`` (with ``--enable-tokenizer-info-endpoint``)."""
         return tokenizer_info(self.state.tokenizer, self.state.model_root)
-
-    def _check_model(self, model: str | None) -> None:
-        served = self.state.model_name
-        if model is not None and model != served:
-            raise RequestError(
-                f"the model {model[:256]!r} does not exist; this server serves {served!r}",
-                status=404,
-                param="model",
-                code="model_not_found",
-            )
 
     def _prompt_ids(self, body: TokenizeCompletionRequest) -> list[int]:
         add = body.add_special_tokens is not False  # null: the default, true

@@ -44,14 +44,9 @@ def add_utility_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> Response:
-        if model != state.model_name:
-            err = RequestError(
-                f"the model {model[:256]!r} does not exist; this server serves "
-                f"{state.model_name!r}",
-                status=404,
-                param="model",
-                code="model_not_found",
-            )
+        try:
+            state.check_model(model)
+        except RequestError as err:
             return error_response(err)
         return JSONResponse(_card(state).model_dump())
 
