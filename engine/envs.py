@@ -36,6 +36,20 @@ def cpu_threads() -> int:
     return value
 
 
+RANK_MEMORY = "COREFLEET_RANK_MEMORY"  # set by ``corefleet serve`` for its local ranks
+
+
+def rank_memory() -> int | None:
+    """COREFLEET_RANK_MEMORY: bytes of memory a rank may use (weights, KV cache and working
+    memory of all its workers), set by ``corefleet serve``: the free memory it found at start,
+    split among its local ranks. Unset: the rank reads its own at start
+    (``worker/kv_budget.py``)."""
+    value = _int(RANK_MEMORY, 0)
+    if value < 0:
+        raise ValueError(f"environment variable {RANK_MEMORY}={value} must be >= 0")
+    return value or None
+
+
 def openmp_wait_passive() -> str:
     """OMP_WAIT_POLICY: set to PASSIVE in a rank unless the user chose a policy; returns the
     policy in force. Must run before torch is imported (libgomp reads it once, at load).

@@ -78,11 +78,17 @@ def _decode_attention(
     flat_ids = block_table.reshape(-1)
     keys = torch.index_select(k_cache.view(total_blocks, -1), 0, flat_ids)
     values = torch.index_select(v_cache.view(total_blocks, -1), 0, flat_ids)
+    # Positions past a row's context (its last block's tail, the null block's padding) hold
+    # whatever the cache held: a block's earlier owner, or memory never written. A masked NaN
+    # still poisons the row (its score is NaN before the mask, and 0 x NaN = NaN in the V sum),
+    # so the gathered copies are zeroed there.
+    outside = ~mask.reshape(batch, context, 1)  # [B, L, 1]
+    keys = keys.view(batch, context, -1).masked_fill_(outside, 0)
+    values = values.view(batch, context, -1).masked_fill_(outside, 0)
     keys = keys.view(batch, context, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
     values = values.view(batch, context, num_kv_heads, head_dim).transpose(1, 2)
     # The G query heads sharing a KV head attend as a block of G query rows, so K and V are
-    # never repeated per query head. Masked positions hold zeros (null block) or finite K/V of
-    # a block's earlier owner; their attention weight is exactly 0.
+    # never repeated per query head; positions past a row's context weigh exactly 0.
     out = F.scaled_dot_product_attention(
         query.view(batch, num_kv_heads, group, head_dim),  # [B, Hkv, G, D]
         keys,

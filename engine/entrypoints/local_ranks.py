@@ -9,6 +9,11 @@ end of file at once, aborts and exits.
 :meth:`LocalRanks.supervise` watches the children (``respawn.py``): a child that exits is
 reported at once and started again after a back-off.
 
+The ranks share this process's memory: :func:`rank_memory_share` reads what it may use before
+any rank starts and gives each rank its part (``COREFLEET_RANK_MEMORY``), from which the rank
+sizes its KV cache after its weights (``worker/kv_budget.py``); ranks that each read the
+machine's free memory for themselves would each take all of it.
+
 With several ranks, each also gets ``--data-parallel-size`` and a ``--data-parallel-address``
 on loopback (a port free at start, kept across restarts): ranks of an MoE model form their
 group there (``engine_core/dp_proc.py``), others ignore it. When a rank of the group dies its
@@ -25,10 +30,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from corefleet.engine import envs
 from corefleet.engine.config import EngineConfig
 from corefleet.engine.engine_args import engine_argv_from_config
 from corefleet.engine.entrypoints.rank_cpus import RankCpus
 from corefleet.engine.entrypoints.respawn import ExitCallback, ReadyProbe, Respawner
+from corefleet.engine.worker.kv_budget import WorkerMemory, check_explicit_budget
+from corefleet.engine.worker.memory_allowance import read_memory_allowance
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +51,8 @@ class LocalRanks:
     shutdown_timeout_s: float
     # Each rank's cores (``rank_cpus.py``); a rank without an entry keeps the full affinity.
     rank_cpus: list[RankCpus] = field(default_factory=list)
+    # Each rank's bytes of memory (``rank_memory_share``); None: each rank reads its own.
+    memory_share: int | None = None
     procs: list[subprocess.Popen[bytes]] | None = None
     # The write end of the ranks' parent-death pipe (one pipe for all of them). Closed only in
     # stop(), after the ranks exited: closing it tells them their parent died, cutting a drain.
@@ -86,7 +96,11 @@ class LocalRanks:
             *(cpus.argv() if cpus is not None else []),
             *engine_argv_from_config(self.config),
         ]
-        env = cpus.env(dict(os.environ)) if cpus is not None else None
+        env = dict(os.environ)
+        if cpus is not None:
+            env = cpus.env(env) or env
+        if self.memory_share is not None:
+            env[envs.RANK_MEMORY] = str(self.memory_share)
         return subprocess.Popen(argv, pass_fds=(self._pipe_read_end,), env=env)
 
     def _data_parallel_argv(self) -> list[str]:
@@ -120,6 +134,21 @@ class LocalRanks:
             if self.parent_pipe is not None:
                 os.close(self.parent_pipe)
                 self.parent_pipe = None
+
+
+def rank_memory_share(config: EngineConfig, count: int) -> int | None:
+    """Each of ``count`` local ranks' part of the memory this process may use now (None when
+    unknown); an explicit ``--kv-cache-memory`` that cannot fit it is refused here
+    (``KVBudgetError``, a ValueError), before any rank starts."""
+    allowance = read_memory_allowance()
+    free = allowance.free
+    if free is None:
+        return None
+    share = free // count
+    source = allowance.sources() + (f", split among {count} ranks" if count > 1 else "")
+    check_explicit_budget(config, WorkerMemory(share, 1, source))
+    logger.info("memory: %.2f GiB for each of %d rank(s) (%s)", share / (1 << 30), count, source)
+    return share
 
 
 def _free_port() -> int:

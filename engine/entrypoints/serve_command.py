@@ -8,7 +8,7 @@ from corefleet.engine import envs
 from corefleet.engine.engine_args import engine_config_from_args
 from corefleet.engine.entrypoints import event_loop
 from corefleet.engine.entrypoints.coordinator import CoordinatorOptions, run
-from corefleet.engine.entrypoints.local_ranks import LocalRanks
+from corefleet.engine.entrypoints.local_ranks import LocalRanks, rank_memory_share
 from corefleet.engine.entrypoints.rank_cpus import plan_from_args
 from corefleet.engine.openai.api_options import api_options_from_args
 from corefleet.engine.openai.limits import limits_from_args
@@ -81,6 +81,7 @@ def serve_command(args: argparse.Namespace) -> int:
         args.shutdown_mode,
         args.shutdown_timeout,
         rank_cpus=plan_from_args(args),
+        memory_share=rank_memory_share(config, args.data_parallel_size),
     )
     if args.api_server_count == 1:
         return event_loop.run(run(options, ranks))  # one process serves and supervises the ranks

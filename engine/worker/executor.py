@@ -25,6 +25,7 @@ from corefleet.engine.models.loader import load_arch_config
 from corefleet.engine.worker.devices import resolve_device, set_cpu_threads
 from corefleet.engine.worker.dtypes import resolve_dtype
 from corefleet.engine.worker.dummy_batch import execute_dummy_batch
+from corefleet.engine.worker.kv_budget import WorkerMemory, check_explicit_budget
 from corefleet.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -84,11 +85,14 @@ class UniProcExecutor:
         arch = load_arch_config(model_path)
         device = resolve_device(config.device.device)
         dtype = resolve_dtype(config.model.dtype, arch.torch_dtype, device)
+        # Read before the weights load; an explicit KV budget beyond it is refused before too.
+        memory = WorkerMemory.for_rank(config) if device.type == "cpu" else None
+        check_explicit_budget(config, memory)
         # Every torch call runs on this one thread, start-up included: on CPU each calling
         # thread gets its own OpenMP pool, and a second pool spinning idle after start-up
         # would steal a core from every forward pass.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="corefleet-executor")
-        self.runner = ModelRunner(config, arch, model_path, device, dtype)
+        self.runner = ModelRunner(config, arch, model_path, device, dtype, memory=memory)
         self._pool.submit(self.runner.load_model).result()
         self._failure_callback: Callable[[str], None] | None = None
 

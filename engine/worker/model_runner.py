@@ -28,7 +28,8 @@ from corefleet.engine.worker.dtypes import (
     describe_dtypes,
 )
 from corefleet.engine.worker.input_batch import InputBatch, RequestState, StepInputs
-from corefleet.engine.worker.kv_budget import cpu_kv_cache_budget
+from corefleet.engine.worker.kv_allocation import allocate_kv_cache
+from corefleet.engine.worker.kv_budget import WorkerMemory, cpu_kv_cache_budget
 from corefleet.engine.worker.logit_masks import ban_stop_tokens_below_min_tokens, grammar_rows
 from corefleet.engine.worker.pooler import Pooler
 from corefleet.engine.worker.prompt_logprobs import PromptLogprobsTracker
@@ -57,8 +58,10 @@ class ModelRunner:
         dtype: torch.dtype,
         tp: TensorParallel | None = None,
         stage: PipelineStage | None = None,
+        memory: WorkerMemory | None = None,
     ) -> None:
         self.config = config
+        self.memory = memory  # what this worker may use on CPU (None: unknown, or a GPU)
         self.arch = arch
         self.tp = tp or TensorParallel()
         self.stage = stage or PipelineStage()
@@ -80,6 +83,7 @@ class ModelRunner:
         self.kv_dtype = kv_choice.dtype
         logger.info("%s", describe_dtypes(self._dtype_choice(), kv_choice))
         self.model: LlamaForCausalLM | None = None
+        self.weights_bytes = 0  # this worker's parameters and buffers, once loaded
         self.kv_caches: list[KVCache] = []
         self.sampler = Sampler(argmax=self.backend.argmax)
         # A forward pass waiting for its grammar mask (structured outputs): its inputs, hidden.
@@ -124,6 +128,7 @@ class ModelRunner:
         model.tie_word_embeddings()
         model.load_weights(load_weights(self.model_path, self.dtype, bool(quantized)))
         self.model = model.eval()
+        self.weights_bytes = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
         release_gguf_reader()  # a rank reads nothing more from the file
         logger.info(
             "loaded %s (%s, %d layers%s) in %.1f s",
@@ -140,8 +145,8 @@ class ModelRunner:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * a.head_dim * elem
 
     def determine_num_blocks(self) -> int:
-        """Blocks that fit the KV budget: ``--kv-cache-memory`` on CPU, a fraction of GPU memory
-        after the model is loaded on CUDA."""
+        """Blocks that fit the KV budget: on CPU this worker's part of the rank's budget
+        (``kv_budget.py``), a fraction of GPU memory after the model is loaded on CUDA."""
         cache = self.config.cache
         if cache.num_blocks_override is not None:
             return cache.num_blocks_override
@@ -149,7 +154,9 @@ class ModelRunner:
             _, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * cache.gpu_memory_utilization) - self._profile_peak_memory()
         else:
-            budget = cpu_kv_cache_budget(self.config, self.kv_bytes_per_block())
+            budget = cpu_kv_cache_budget(
+                self.config, self.kv_bytes_per_block(), self.memory, self.weights_bytes
+            )
         num_blocks = budget // self.kv_bytes_per_block()
         logger.info(
             "KV cache: %s, %d blocks of %d bytes (budget %d bytes)",
@@ -159,10 +166,11 @@ class ModelRunner:
             budget,
         )
         if num_blocks < 2:
+            memory = "" if self.memory is None else f" (this rank may use {self.memory.describe()})"
             raise ValueError(
                 f"the KV cache budget of {budget} bytes holds no block of "
-                f"{self.kv_bytes_per_block()} bytes; raise --kv-cache-memory or "
-                "--gpu-memory-utilization"
+                f"{self.kv_bytes_per_block()} bytes{memory}; raise --kv-cache-memory or "
+                "--gpu-memory-utilization, or give the process more memory"
             )
         return int(num_blocks)
 
@@ -206,12 +214,9 @@ class ModelRunner:
         return int(peak + others)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        a = self.arch
-        shape = (num_blocks, self.block_size, self.num_kv_heads, a.head_dim)
-        self.kv_caches = [
-            (_zeros(shape, self.kv_dtype, self.device), _zeros(shape, self.kv_dtype, self.device))
-            for _ in range(self.num_layers)
-        ]
+        """The cache, reading as zeros; on CPU committed as it is written (kv_allocation.py)."""
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.arch.head_dim)
+        self.kv_caches = allocate_kv_cache(self.num_layers, shape, self.kv_dtype, self.device)
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -382,17 +387,3 @@ def _describe_quantized(quantized: dict[str, QuantFormat]) -> str:
     counts = Counter(fmt.name for fmt in quantized.values())
     by_format = ", ".join(f"{name} {count}" for name, count in sorted(counts.items()))
     return f", {len(quantized)} weights kept in GGUF blocks ({by_format})"
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed KV-cache tensor, every page touched now.
-
-    Zeros matter: attention reads whole blocks and masks the positions past a request's
-    context, and a masked position still multiplies its value by a weight of 0, which is NaN
-    if uninitialised memory happens to hold NaN. On CPU the pages are written at start-up on
-    purpose (as vLLM allocates its cache): lazily zeroed pages (calloc) made the first pass
-    through the cache pay a 4 KiB page fault per page inside the KV writes of a step, ~1.3 s
-    per GiB on the project's machine against ~0.2 s per GiB for ``torch.zeros`` here, and a
-    memory limit too small for the budget now fails at start-up rather than mid-request.
-    """
-    return torch.zeros(shape, dtype=dtype, device=device)

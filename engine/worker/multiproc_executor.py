@@ -46,6 +46,8 @@ from corefleet.engine.models.loader import load_arch_config
 from corefleet.engine.models.pipeline_parallel import check_pipeline_parallel
 from corefleet.engine.models.tensor_parallel import check_tensor_parallel
 from corefleet.engine.transport.serial import MsgpackDecoder, MsgpackEncoder
+from corefleet.engine.worker.devices import resolve_device
+from corefleet.engine.worker.kv_budget import WorkerMemory, check_explicit_budget
 from corefleet.engine.worker.worker_proc import (
     READY,
     RESULT_TYPES,
@@ -89,6 +91,11 @@ class MultiprocExecutor:
         arch = load_arch_config(model_path)
         check_tensor_parallel(arch, parallel.tensor_parallel_size)
         check_pipeline_parallel(arch.num_hidden_layers, parallel.pipeline_parallel_size)
+        # The rank's memory, read before any worker loads, split among the workers; an explicit
+        # KV budget beyond it is refused before they start.
+        on_cpu = resolve_device(config.device.device).type == "cpu"
+        self._memory = WorkerMemory.for_rank(config) if on_cpu else None
+        check_explicit_budget(config, self._memory)
         self._failure: str | None = None
         self._failure_callback: Callable[[str], None] | None = None
         self._stopping = False
@@ -295,6 +302,7 @@ class MultiprocExecutor:
                 dist_init=dist_init,
                 calls=f"ipc://{self._dir}/calls-{rank}",
                 replies=f"ipc://{self._dir}/replies",
+                memory=self._memory,
             )
             argv = [sys.executable, "-m", "corefleet.engine.worker.worker_proc"]
             # stdin stays open: its end tells the worker the engine is gone.

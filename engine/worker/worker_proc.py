@@ -41,6 +41,7 @@ from corefleet.engine.models.tensor_parallel import TensorParallel
 from corefleet.engine.transport.serial import MsgpackDecoder, MsgpackEncoder
 from corefleet.engine.worker.devices import resolve_device, set_cpu_threads
 from corefleet.engine.worker.dtypes import resolve_dtype
+from corefleet.engine.worker.kv_budget import WorkerMemory
 from corefleet.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     dist_init: str  # torch.distributed's init_method: tcp://127.0.0.1:PORT (worker 0 hosts it)
     calls: str  # the executor's PUSH socket for this worker
     replies: str  # the executor's PULL socket for every worker
+    memory: WorkerMemory | None = None  # its part of the rank's memory on CPU (kv_budget.py)
 
     @property
     def world_size(self) -> int:
@@ -140,7 +142,9 @@ class Worker:
         arch = load_arch_config(spec.model_path)
         dtype = resolve_dtype(config.model.dtype, arch.torch_dtype, device)
         tp, stage = _groups(spec)
-        self.runner = ModelRunner(config, arch, spec.model_path, device, dtype, tp, stage)
+        self.runner = ModelRunner(
+            config, arch, spec.model_path, device, dtype, tp, stage, spec.memory
+        )
         self.runner.load_model()
         self.encoder = MsgpackEncoder()
         self.decoders = {

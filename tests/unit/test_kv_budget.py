@@ -1,4 +1,5 @@
-"""The CPU KV cache's default size (what the batch limits can use, in bytes) and the dtypes:
+"""The CPU KV cache's size (what the batch can fill, the fixed limit, the memory after the
+weights; split among a rank's workers; an explicit one refused beyond the memory) and the dtypes:
 ``--kv-cache-dtype auto`` is the model's dtype, an explicit one is honoured."""
 
 from __future__ import annotations
@@ -14,9 +15,17 @@ from corefleet.engine.worker.dtypes import (
     describe_dtypes,
     resolve_kv_cache_dtype,
 )
-from corefleet.engine.worker.kv_budget import DEFAULT_CPU_KV_CACHE_LIMIT, cpu_kv_cache_budget
+from corefleet.engine.worker.kv_budget import (
+    DEFAULT_CPU_KV_CACHE_LIMIT,
+    WORKING_MARGIN,
+    KVBudgetError,
+    WorkerMemory,
+    check_explicit_budget,
+    cpu_kv_cache_budget,
+)
 
 BLOCK_BYTES = 1 << 20  # 1 MiB per block of 16 tokens
+MiB = 1 << 20
 
 
 def _config(**kwargs: object) -> EngineConfig:
@@ -35,6 +44,62 @@ def test_default_budget_is_capped_and_an_explicit_one_wins() -> None:
     assert cpu_kv_cache_budget(_config(max_num_seqs=256), BLOCK_BYTES) == DEFAULT_CPU_KV_CACHE_LIMIT
     explicit = _config(max_num_seqs=8, kv_cache_memory=64 * GiB)
     assert cpu_kv_cache_budget(explicit, BLOCK_BYTES) == 64 * GiB
+
+
+def test_default_budget_fits_the_memory_after_weights_and_margin() -> None:
+    memory = WorkerMemory(share=3 * GiB, workers=1, source="test")
+    budget = cpu_kv_cache_budget(_config(max_num_seqs=256), BLOCK_BYTES, memory, 512 * MiB)
+    assert budget == 3 * GiB - 512 * MiB - WORKING_MARGIN
+    # A small batch still takes only what it can fill, however much memory there is.
+    roomy = WorkerMemory(share=100 * GiB, workers=1, source="test")
+    assert cpu_kv_cache_budget(_config(max_num_seqs=8), BLOCK_BYTES, roomy, GiB) == (
+        (8 * 128 + 1) * BLOCK_BYTES
+    )
+    # Nothing left after the weights and the margin: no budget (the runner then refuses).
+    tight = WorkerMemory(share=GiB, workers=1, source="test")
+    assert cpu_kv_cache_budget(_config(max_num_seqs=256), BLOCK_BYTES, tight, GiB) == 0
+    # Memory unknown: the batch and the fixed limit alone.
+    unknown = WorkerMemory(share=None, workers=1, source="test")
+    assert cpu_kv_cache_budget(_config(), BLOCK_BYTES, unknown) == DEFAULT_CPU_KV_CACHE_LIMIT
+
+
+def test_workers_split_the_ranks_budget() -> None:
+    # Two tensor-parallel workers: each takes half the fixed limit and half an explicit budget,
+    # and each its own share less its own weights.
+    memory = WorkerMemory(share=40 * GiB, workers=2, source="test")
+    config = _config(max_num_seqs=256)
+    assert cpu_kv_cache_budget(config, BLOCK_BYTES, memory, GiB) == DEFAULT_CPU_KV_CACHE_LIMIT // 2
+    explicit = _config(max_num_seqs=256, kv_cache_memory=6 * GiB)
+    assert cpu_kv_cache_budget(explicit, BLOCK_BYTES, memory, GiB) == 3 * GiB
+
+
+def test_an_explicit_budget_beyond_the_memory_is_refused_naming_the_figures() -> None:
+    memory = WorkerMemory(share=4 * GiB, workers=2, source="MemAvailable 8.00 GiB")
+    config = _config(kv_cache_memory=10 * GiB)  # 5 GiB per worker, each may use 4
+    with pytest.raises(KVBudgetError) as refused:
+        check_explicit_budget(config, memory)
+    message = str(refused.value)
+    assert "--kv-cache-memory 10737418240 (10.00 GiB)" in message
+    assert "5.00 GiB for each of its 2 workers" in message
+    assert "4.00 GiB for each of its 2 workers (MemAvailable 8.00 GiB)" in message
+    assert f"give --kv-cache-memory {8 * GiB} or less" in message
+    # After the weights load, they count too: 3.5 GiB per worker fits 4 GiB, not 4 less 1.
+    fits_before = _config(kv_cache_memory=7 * GiB)
+    check_explicit_budget(fits_before, memory)
+    with pytest.raises(KVBudgetError, match=r"1\.00 GiB of it for the weights"):
+        cpu_kv_cache_budget(fits_before, BLOCK_BYTES, memory, GiB)
+    # Unknown memory: nothing to refuse on.
+    check_explicit_budget(config, WorkerMemory(None, 1, "unknown"))
+
+
+def test_serve_figure_wins_over_reading_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COREFLEET_RANK_MEMORY", str(6 * GiB))
+    memory = WorkerMemory.for_rank(EngineConfig.from_kwargs(tensor_parallel_size=3))
+    assert memory.share == 2 * GiB and memory.workers == 3
+    assert "corefleet serve" in memory.source
+    monkeypatch.delenv("COREFLEET_RANK_MEMORY")
+    read = WorkerMemory.for_rank(EngineConfig.from_kwargs())
+    assert read.share is not None and read.share > 0 and "MemAvailable" in read.source
 
 
 @pytest.mark.parametrize("value", [0, -1])

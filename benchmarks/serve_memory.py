@@ -1,0 +1,190 @@
+"""Memory of ``corefleet serve``: the whole process tree's PSS and RSS once ready, and after it
+has held N tokens of KV cache.
+
+Starts ``corefleet serve`` (the embedded SmolLM2-135M-Instruct and the defaults: what
+``make run`` runs, unless engine flags follow ``--``), waits for ``/ready``, measures every
+process of the tree (the serve process, which is the coordinator, and its ranks and workers),
+sends ``--streams`` concurrent completions of ``--tokens`` tokens each, measures again while
+they are held (the KV blocks of finished requests stay in the prefix cache, so what was
+written stays resident), and stops the server. ``--runs`` repeats the whole and reports the
+median.
+
+PSS (proportional set size) counts a page shared by several processes once, split between
+them (torch's libraries, mapped by every process); RSS counts it in every process that maps it,
+so the tree's RSS overstates what it holds. Both are read from ``/proc/PID/smaps_rollup``.
+
+    python benchmarks/serve_memory.py --runs 3
+    python benchmarks/serve_memory.py --runs 3 -- --data-parallel-size 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class TreeMemory:
+    """One snapshot of the server's process tree."""
+
+    pss: int  # bytes, shared pages split between the processes mapping them
+    rss: int  # bytes, shared pages counted in every process
+    processes: int
+    largest_rss: int  # the largest single process (a rank, usually)
+
+
+def tree_memory(root_pid: int) -> TreeMemory:
+    root = psutil.Process(root_pid)
+    procs = [root, *root.children(recursive=True)]
+    pss = rss = largest = 0
+    counted = 0
+    for proc in procs:
+        try:
+            info = proc.memory_full_info()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        pss += info.pss
+        rss += info.rss
+        largest = max(largest, info.rss)
+        counted += 1
+    return TreeMemory(pss, rss, counted, largest)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_server(engine_argv: list[str], timeout_s: float) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    corefleet = Path(sys.executable).with_name("corefleet")
+    argv = [str(corefleet), "serve", "--port", str(port), *engine_argv]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"corefleet serve exited with {proc.returncode} before ready")
+        with contextlib.suppress(OSError), urllib.request.urlopen(url + "/ready", timeout=2):
+            return proc, url
+        time.sleep(0.5)
+    stop_server(proc)
+    raise TimeoutError(f"/ready not 200 after {timeout_s:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _completion(url: str, prompt: str, max_tokens: int) -> int:
+    body = json.dumps(
+        {
+            "model": _model_name(url),
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "min_tokens": max_tokens,  # hold exactly this many: no early end of sequence
+            "temperature": 0,
+        }
+    ).encode()
+    request = urllib.request.Request(
+        url + "/v1/completions", body, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=600) as response:
+        usage = json.load(response)["usage"]
+    return int(usage["prompt_tokens"]) + int(usage["completion_tokens"])
+
+
+_MODEL_NAMES: dict[str, str] = {}
+
+
+def _model_name(url: str) -> str:
+    if url not in _MODEL_NAMES:
+        with urllib.request.urlopen(url + "/v1/models", timeout=30) as response:
+            _MODEL_NAMES[url] = json.load(response)["data"][0]["id"]
+    return _MODEL_NAMES[url]
+
+
+async def send_load(url: str, streams: int, tokens: int) -> int:
+    """``streams`` concurrent requests, each a distinct prompt; returns the tokens they held."""
+    loop = asyncio.get_running_loop()
+    futures = [
+        loop.run_in_executor(None, _completion, url, f"Stream {i}: tell me a story about", tokens)
+        for i in range(streams)
+    ]
+    return sum(await asyncio.gather(*futures))
+
+
+@dataclass(frozen=True)
+class Run:
+    ready: TreeMemory
+    loaded: TreeMemory
+    tokens: int
+
+
+def one_run(engine_argv: list[str], streams: int, tokens: int, timeout_s: float) -> Run:
+    proc, url = start_server(engine_argv, timeout_s)
+    try:
+        time.sleep(2.0)  # let the start-up's transient buffers go (a measurement, not a test)
+        ready = tree_memory(proc.pid)
+        held = asyncio.run(send_load(url, streams, tokens))
+        loaded = tree_memory(proc.pid)
+        return Run(ready, loaded, held)
+    finally:
+        stop_server(proc)
+
+
+def _gib(values: list[int]) -> str:
+    return f"{statistics.median(values) / (1 << 30):.2f} GiB"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--streams", type=int, default=32, help="concurrent requests")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens each generates")
+    parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument("engine_argv", nargs="*", help="flags for corefleet serve, after --")
+    args = parser.parse_args()
+    runs = [
+        one_run(args.engine_argv, args.streams, args.tokens, args.ready_timeout)
+        for _ in range(args.runs)
+    ]
+    for i, run in enumerate(runs):
+        print(
+            f"run {i}: ready PSS {run.ready.pss / MiB:.0f} MiB RSS {run.ready.rss / MiB:.0f} MiB "
+            f"({run.ready.processes} processes, largest RSS {run.ready.largest_rss / MiB:.0f} "
+            f"MiB); after {run.tokens} tokens PSS {run.loaded.pss / MiB:.0f} MiB RSS "
+            f"{run.loaded.rss / MiB:.0f} MiB (largest {run.loaded.largest_rss / MiB:.0f} MiB)"
+        )
+    print(
+        f"median of {len(runs)}: ready PSS {_gib([r.ready.pss for r in runs])}, "
+        f"RSS {_gib([r.ready.rss for r in runs])}; after {runs[0].tokens} tokens held: "
+        f"PSS {_gib([r.loaded.pss for r in runs])}, RSS {_gib([r.loaded.rss for r in runs])}"
+    )
+
+
+if __name__ == "__main__":
+    main()
