@@ -66,11 +66,13 @@ def test_rolling_the_coordinators_under_load_fails_no_request(
     old_names = {p["metadata"]["name"] for p in old}
     old_ips = {p["metadata"]["name"]: p["status"]["podIP"] for p in old}
 
-    # 256 tokens, never stopping early: a stream lasts longer than the shutdown delay (5.5-7 s
-    # on the 2-core machine), so streams are open on an old coordinator when it is told to stop,
-    # and some are still open when it stops accepting and must let them finish. A machine that
-    # streams much faster needs more tokens here (the assertion says so).
-    load = DnsLoad(cluster, API_URL, MODEL, tmp_path / "load", 2, kept_alive=2, max_tokens=256)
+    # 640 tokens, never stopping early: every stream lasts longer than the shutdown delay (5 s),
+    # so streams are open on an old coordinator when it is told to stop, and the one a kept-alive
+    # client begins there after the stop (answered with `Connection: close`) is still open when
+    # it stops accepting and must let it finish. 256 tokens took 3.3-7.0 s on a CI machine, too
+    # close to the delay; 640 take at least 8 s at that machine's fastest. A machine that streams
+    # much faster needs more tokens here (the assertion says so).
+    load = DnsLoad(cluster, API_URL, MODEL, tmp_path / "load", 2, kept_alive=2, max_tokens=640)
     with ProcessWatch(cluster, sorted(old_names)) as watch, load:
         load.wait_completed(3, READY_TIMEOUT)  # the Service name works before anything moves
         cluster.kubectl(
