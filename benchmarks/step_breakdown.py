@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -265,7 +266,10 @@ def main() -> int:
 
     try:
         generate()  # warm-up
+        machine_before, own_before = sum(psutil.cpu_times()[:3]), time.process_time()
         walls = [generate() for _ in range(args.timed_runs)]
+        busy = sum(psutil.cpu_times()[:3]) - machine_before - (time.process_time() - own_before)
+        other_cores = busy / sum(walls)
         step_times: list[float] = []
         with instrumented(llm, step_times) as prof:
             generate()
@@ -273,6 +277,7 @@ def main() -> int:
     finally:
         llm.shutdown()
     print(f"model {model}; {torch.get_num_threads()} torch threads; engine args {engine_args}")
+    print(f"other processes' CPU during the timed runs: {other_cores:.2f} cores")
     print(
         f"{steps} decode steps profiled: {totals['whole step'] / steps / 1000:.2f} ms a step; "
         f"unprofiled, whole generate of {args.tokens + 1} tokens (prefill included): "
