@@ -123,8 +123,12 @@ class CacheConfig:
     kv_cache_memory: int | None = field(
         default=None,
         metadata=engine_arg(
-            "bytes of memory for the KV cache on CPU (default: what --max-num-seqs requests "
-            "of --max-model-len tokens can fill, at most 4 GiB)"
+            "bytes of memory for a rank's KV cache on CPU, split among its tensor/pipeline-"
+            "parallel workers; more than the rank's memory holds after its weights is refused "
+            "at start (default: what --max-num-seqs requests of --max-model-len tokens can "
+            "fill, at most 4 GiB and at most the rank's share of the free memory (cgroup "
+            "limit, MemAvailable) less its weights and 1 GiB per worker; committed as it is "
+            "written)"
         ),
     )
     cache_dtype: KVCacheDtype = field(
