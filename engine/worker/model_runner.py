@@ -159,11 +159,12 @@ class ModelRunner:
             )
         num_blocks = budget // self.kv_bytes_per_block()
         logger.info(
-            "KV cache: %s, %d blocks of %d bytes (budget %d bytes)",
+            "KV cache: %s, %d blocks of %d bytes (budget %d bytes%s)",
             str(self.kv_dtype).removeprefix("torch."),
             num_blocks,
             self.kv_bytes_per_block(),
             budget,
+            "" if self.memory is None else f"; this rank may use {self.memory.describe()}",
         )
         if num_blocks < 2:
             memory = "" if self.memory is None else f" (this rank may use {self.memory.describe()})"
