@@ -14,8 +14,16 @@ through enough copies of its weight to exceed the last-level cache several times
 bandwidth is the quantized bytes over the time (for the float methods: their own bytes).
 ``--crossover`` times the larger batches where dequantize + GEMM takes over.
 
+``--vnni``: the 1B model's shapes (issue 38) for the formats with a packed form, the integer
+linear (``gguf_linear_vnni`` on ``gguf_pack_vnni``'s weights, x float32 and bfloat16) against
+the float paths in the same run (``gguf_linear``; dequantize + GEMM from 8 rows), each as GB/s
+of the quantized bytes and as a fraction of this machine's read bandwidth (``torch.sum``
+streaming 1 GiB on the same threads, measured in the same run).
+
     python benchmarks/gguf_linear_cpu.py
     python benchmarks/gguf_linear_cpu.py --crossover --rounds 7
+    python benchmarks/gguf_linear_cpu.py --vnni --threads 1
+    python benchmarks/gguf_linear_cpu.py --vnni --threads 2
 """
 
 from __future__ import annotations
@@ -149,6 +157,77 @@ def bench_shape(
         )
 
 
+# The 1B model's projections (N, K) and the formats timed on each (its file: Q4_0 layers, Q8_0
+# tied embedding/LM head).
+VNNI_SHAPES: dict[str, tuple[int, int]] = {
+    "qo 2048->2048": (2048, 2048),
+    "kv 2048->512": (512, 2048),
+    "gate_up 2048->16384": (16384, 2048),
+    "down 8192->2048": (2048, 8192),
+    "lm_head 2048->49152": (49152, 2048),
+}
+VNNI_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def read_bandwidth(rounds: int = 5) -> float:
+    """GB/s of torch.sum streaming a 1 GiB float32 tensor on the current threads (median)."""
+    big = torch.ones(1 << 28)
+    big.sum()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        big.sum()
+        times.append(time.perf_counter() - start)
+    return (1 << 30) / statistics.median(times) / 1e9
+
+
+def bench_vnni(
+    label: str, fmt: QuantFormat, m_values: list[int], rounds: int, min_s: float
+) -> None:
+    n, k = VNNI_SHAPES[label]
+    q = random_qweight(fmt, n, k, seed=n + k)
+    qbytes = q.numel()
+    qs = copies(q)
+    ps = copies(OPS.gguf_pack_vnni(q, fmt.ggml_type))
+    t = fmt.ggml_type
+    bw = read_bandwidth()
+    print(f"\n{label}, {fmt.name}: {qbytes / 1e6:.1f} MB; read bandwidth {bw:.1f} GB/s")
+    print("   M | method          ms     GB/s  of read bw | vs best old")
+    for m in m_values:
+        x32 = torch.randn(m, k)
+        x16 = x32.bfloat16()
+        methods: dict[str, tuple[list[torch.Tensor], Method]] = {
+            "old gguf f32": (qs, lambda w, x=x32: OPS.gguf_linear(x, w, t, None)),
+            "old gguf bf16": (qs, lambda w, x=x16: OPS.gguf_linear(x, w, t, None)),
+            "new vnni f32": (ps, lambda w, x=x32: OPS.gguf_linear_vnni(x, w, t, n, None)),
+            "new vnni bf16": (ps, lambda w, x=x16: OPS.gguf_linear_vnni(x, w, t, n, None)),
+        }
+        if m >= 8:
+            methods["old deq+mm bf16"] = (
+                qs,
+                lambda w, x=x16: F.linear(x, OPS.gguf_dequantize(w, t, k, x.dtype)),
+            )
+        if m >= 128:  # the float32 register path is far behind there: one round of it
+            del methods["old gguf f32"]
+        secs = time_methods(methods, rounds, min_s)
+        best_old = min(s for name, s in secs.items() if name.startswith("old"))
+        for name, sec in secs.items():
+            gbs = qbytes / sec / 1e9
+            print(
+                f"{m:4d} | {name:15s} {sec * 1e3:7.3f} {gbs:6.1f} {gbs / bw:8.0%} "
+                f"| {best_old / sec:5.2f}x",
+                flush=True,
+            )
+
+
+def main_vnni(args: argparse.Namespace) -> None:
+    for label in VNNI_SHAPES:
+        names = ("Q8_0",) if label.startswith("lm_head") else VNNI_FORMATS
+        for name in names:
+            if name in args.formats:
+                bench_vnni(label, FORMATS_BY_NAME[name], args.m, args.rounds, args.min_ms / 1e3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="samples per method (median)")
@@ -160,11 +239,17 @@ def main() -> None:
     parser.add_argument(
         "--crossover", action="store_true", help="batches of 8-256 rows instead of --m"
     )
+    parser.add_argument(
+        "--vnni", action="store_true", help="the integer linear on the 1B shapes (see above)"
+    )
     args = parser.parse_args()
     m_values = [8, 16, 32, 64, 96, 128, 192, 256] if args.crossover else args.m
     gc.disable()  # a collection inside a sample would count against whichever method ran
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.vnni:
+        main_vnni(args)
+        return
     for label in args.shapes:
         k = SHAPES[label][1]
         names = LM_HEAD_FORMATS if label.startswith("lm_head") else args.formats

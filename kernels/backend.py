@@ -81,6 +81,16 @@ class KernelBackend:
         weight = gguf_quant.dequantize(qweight, fmt, x.shape[1]).to(x.dtype)
         return torch.nn.functional.linear(x, weight, bias)
 
+    def prepare_quant_weight(self, qweight: torch.Tensor, fmt: QuantFormat) -> None:
+        """Called once by a quantized layer on its loaded blocks ``[N, row_bytes]``: a backend
+        may rewrite them **in place** into a layout of its own, which its ``quant_linear`` and
+        ``quant_embedding`` then read (the memory stays one copy). The default keeps the file's
+        layout."""
+
+    def restore_quant_weight(self, qweight: torch.Tensor, fmt: QuantFormat) -> None:
+        """Undoes ``prepare_quant_weight`` in place (the file's layout again), before anything
+        writes file blocks into the tensor. The default has nothing to undo."""
+
     # ---- kernels bound to one layer's weights ---------------------------------------------
     # A model binds each layer's weights once (engine/models/layer_program.py): a backend
     # decides then what it can (the kernel, the weight's dtype and layout) and a forward pass

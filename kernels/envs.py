@@ -20,3 +20,19 @@ def cpu_ops() -> str:
     TORCH_EXTENSIONS_DIR).
     """
     return (os.environ.get(CPU_OPS) or "auto").strip().lower()
+
+
+GGUF_PACKED = "COREFLEET_GGUF_PACKED"
+
+
+def gguf_packed() -> bool:
+    """COREFLEET_GGUF_PACKED: whether the CPU backend repacks Q4_0/Q4_1/Q8_0 weights at load for
+    its integer (AVX512-VNNI) linear, where the loaded build has it.
+
+    ``0`` (default for now): the file's layout and the float paths (``gguf_linear``, dequantize
+    + GEMM), whose greedy tokens match the float model's. ``1``: repack, and run every such
+    layer on ``gguf_linear_vnni``, activations quantized per block of 32 to int8 as llama.cpp
+    does (faster; SmolLM2's log-probabilities move by up to ~1 nat and 7 of 10 greedy
+    continuations turn at a near tie: tests/integration/test_gguf_packed.py).
+    """
+    return (os.environ.get(GGUF_PACKED) or "0").strip() == "1"

@@ -5,13 +5,18 @@ them differently (Q4_K_M files keep some v and down projections in Q6_K). A fuse
 therefore holds one block buffer per run of consecutive parts with the same format: parts of
 one format are stacked row-wise and read by one kernel call, and a layer with several buffers
 concatenates their outputs.
+
+Once loaded, a layer hands each buffer to the backend once (``prepare_quant_weight``, on the
+first forward or bind), which may rewrite it in place into a layout of its own (the CPU packs
+Q4_0/Q4_1/Q8_0 for its integer linear); loading into a prepared layer restores the file's
+layout first.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -63,6 +68,7 @@ class QuantLinear(nn.Module):
         for buf in buffers:
             blocks = torch.empty(buf.rows, buf.fmt.row_bytes(in_features), dtype=torch.uint8)
             self.register_buffer(buf.name, blocks)
+        self._prepared = False  # the backend has seen the loaded buffers (_prepare)
         # Registered even when absent, so that forward finds it in _parameters either way.
         self.register_parameter(
             "bias", nn.Parameter(torch.zeros(self.out_features)) if bias else None
@@ -81,16 +87,38 @@ class QuantLinear(nn.Module):
     def part_blocks(self, shard: str | None) -> torch.Tensor:  # uint8 [rows, row_bytes]
         """The rows of the block buffer that hold part ``shard`` (a view, for loading)."""
         index, offset, rows = self._located[shard]
+        if self._prepared:  # the file's layout back before the loader writes file blocks
+            for buf in self._layout:
+                self.backend.restore_quant_weight(self.get_buffer(buf.name), buf.fmt)
+            self._prepared = False
         return self.get_buffer(self._layout[index].name).narrow(0, offset, rows)
 
     def share_blocks(self, blocks: torch.Tensor) -> None:
         """Use ``blocks`` (a tied embedding's table) as this single-buffer layer's weight."""
         (buf,) = self._layout
         setattr(self, buf.name, blocks)
+        self._prepared = False
+
+    def _apply(self, fn: Any, recurse: bool = True) -> QuantLinear:
+        # Copies made by .to() and the like carry the bytes, not the backend's record of their
+        # layout: the file's layout back first, prepared again on the next forward.
+        if self._prepared:
+            for buf in self._layout:
+                self.backend.restore_quant_weight(self.get_buffer(buf.name), buf.fmt)
+            self._prepared = False
+        return super()._apply(fn, recurse)  # type: ignore[no-any-return]
+
+    def _prepare(self) -> None:
+        """The backend's one look at the loaded buffers (it may repack them in place)."""
+        for buf in self._layout:
+            self.backend.prepare_quant_weight(self.get_buffer(buf.name), buf.fmt)
+        self._prepared = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         # Buffers and bias straight from the module's dicts: nn.Module.__getattr__ costs about a
         # microsecond a lookup, and a decode step of a 30-layer model runs 121 of these layers.
+        if not self._prepared:
+            self._prepare()
         blocks = cast(dict[str, torch.Tensor], self._buffers)  # every buffer is set at __init__
         bias = self._parameters["bias"]
         if len(self._layout) == 1:
@@ -104,6 +132,8 @@ class QuantLinear(nn.Module):
 
     def bind(self, dtype: torch.dtype) -> Linear:
         """``forward`` as a closure over the current blocks, for activations of ``dtype``."""
+        if not self._prepared:
+            self._prepare()
         blocks = cast(dict[str, torch.Tensor], self._buffers)
         bias = self._parameters["bias"]
         bound = [

@@ -12,10 +12,14 @@ reads only the positions below the row's context length, where the torch path ga
 row's blocks into a padded copy. A row is one new token (a decode token, or one token of a
 prefill chunk with its own length), so one call attends a whole step.
 
-GGUF-quantized weights stay in their blocks (``kernels/gguf_quant.py``): a decode step's few
-rows multiply them with ``gguf_linear``, which dequantizes in registers as it streams the blocks
-(reading 0.56-1.06 bytes a weight instead of 2 or 4); a prefill's many rows dequantize the
-weight to x's dtype once (``gguf_dequantize``) and run torch's GEMM.
+GGUF-quantized weights stay in their blocks (``kernels/gguf_quant.py``). With
+``COREFLEET_GGUF_PACKED=1``, Q4_0, Q4_1 and Q8_0 weights are repacked in place once their layer
+is loaded (``packed_gguf.py``, where the build has AVX512-VNNI) and every batch size multiplies
+them with ``gguf_linear_vnni``: activations quantized per block to int8, integer dot products.
+Otherwise (the default, and the other formats): a decode step's few rows multiply them with
+``gguf_linear``, which dequantizes in registers as it streams the blocks (reading 0.56-1.06
+bytes a weight instead of 2 or 4); a prefill's many rows dequantize the weight to x's dtype
+once (``gguf_dequantize``) and run torch's GEMM.
 
 A mixture-of-experts layer's experts are one ``fused_moe`` call (``csrc/fused_moe_cpu.cpp``):
 the routed rows grouped by expert once, the experts of a decode step streamed together through
@@ -28,7 +32,9 @@ import dataclasses
 
 import torch
 
+from corefleet.kernels import gguf_quant
 from corefleet.kernels.backend import KernelBackend, Linear, Norm
+from corefleet.kernels.cpu import packed_gguf
 from corefleet.kernels.cpu.loader import load_cpu_ops
 from corefleet.kernels.gguf_quant import QuantFormat
 from corefleet.kernels.metadata import AttentionMetadata
@@ -96,6 +102,7 @@ class CpuBackend(KernelBackend):
         # Load now, so a missing or unloadable build surfaces at start-up (where the selector
         # can fall back) rather than in the first forward pass.
         self._ops = load_cpu_ops()
+        self._pack_gguf = packed_gguf.enabled(self._ops)
 
     def linear(
         self,
@@ -123,8 +130,11 @@ class CpuBackend(KernelBackend):
         fmt: QuantFormat,
         bias: torch.Tensor | None,  # [N], x's dtype
     ) -> torch.Tensor:  # [T, N], x's dtype
-        """A few rows stream the blocks through ``gguf_linear``; more dequantize the weight to
-        x's dtype once for torch's GEMM (float16 and other formats: the reference)."""
+        """A packed weight: ``gguf_linear_vnni``. Otherwise a few rows stream the blocks
+        through ``gguf_linear``; more dequantize the weight to x's dtype once for torch's GEMM
+        (float16 and other formats: the reference)."""
+        if packed_gguf.is_packed(qweight) and x.dim() == 2:
+            return packed_gguf.packed_linear(self._ops, x, qweight, fmt, bias)
         if (
             not _gguf_op_takes(qweight, fmt, x.dtype)
             or x.dim() != 2
@@ -158,6 +168,9 @@ class CpuBackend(KernelBackend):
         self, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None, dtype: torch.dtype
     ) -> Linear:
         """``quant_linear``'s choice, with the weight's and the dtype's part of it made once."""
+        if packed_gguf.is_packed(qweight):
+            ops = self._ops
+            return lambda x: packed_gguf.packed_linear(ops, x, qweight, fmt, bias)
         if not (
             _gguf_op_takes(qweight, fmt, dtype)
             and qweight.is_contiguous()
@@ -174,6 +187,15 @@ class CpuBackend(KernelBackend):
             return fallback(x, qweight, fmt, bias)  # dequantize + GEMM, or the reference
 
         return linear
+
+    def prepare_quant_weight(self, qweight: torch.Tensor, fmt: QuantFormat) -> None:
+        """Q4_0/Q4_1/Q8_0 blocks repacked in place for ``gguf_linear_vnni`` (``packed_gguf``),
+        where this build runs it on VNNI."""
+        if self._pack_gguf:
+            packed_gguf.pack_in_place(self._ops, qweight, fmt)
+
+    def restore_quant_weight(self, qweight: torch.Tensor, fmt: QuantFormat) -> None:
+        packed_gguf.unpack_in_place(self._ops, qweight)
 
     def bind_rms_norm(self, weight: torch.Tensor, eps: float) -> Norm:
         """``rms_norm`` on the C++ op, for a weight of a dtype it takes."""
@@ -200,7 +222,13 @@ class CpuBackend(KernelBackend):
         dtype: torch.dtype,
     ) -> torch.Tensor:  # [T, K] dtype
         """The selected rows' blocks, dequantized by ``gguf_dequantize`` (exactly the
-        reference's values)."""
+        reference's values); a packed table's rows are unpacked first."""
+        if packed_gguf.is_packed(qweight):
+            rows = packed_gguf.file_rows(self._ops, qweight, ids)  # [T, row_bytes]
+            if dtype not in _FUSED_DTYPES:
+                return gguf_quant.dequantize(rows, fmt, k).to(dtype)
+            packed_rows: torch.Tensor = self._ops.gguf_dequantize(rows, fmt.ggml_type, k, dtype)
+            return packed_rows
         if not _gguf_op_takes(qweight, fmt, dtype):
             return super().quant_embedding(ids, qweight, fmt, k, dtype)
         rows = qweight.index_select(0, ids)  # [T, row_bytes], contiguous

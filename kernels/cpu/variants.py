@@ -44,14 +44,35 @@ class Variant:
     cpu_flags: frozenset[str]
 
 
-# x86-64, best first. The sources test __AVX512F__, __AVX512BW__ && __AVX512VL__ and
-# __AVX512BF16__ for their intrinsics paths; the rest is auto-vectorised for the target.
+# x86-64, best first. The sources test __AVX512F__, __AVX512BW__ && __AVX512VL__,
+# __AVX512BF16__ and __AVX512VNNI__ for their intrinsics paths; the rest is auto-vectorised
+# for the target.
 X86_64_VARIANTS: tuple[Variant, ...] = (
     Variant(
         "avx512_bf16",
-        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c"),
+        # Every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4 on) has AVX512-VNNI.
+        (
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512dq",
+            "-mavx512bf16",
+            "-mavx512vnni",
+            "-mfma",
+            "-mf16c",
+        ),
         frozenset(
-            {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma", "f16c", "avx2"}
+            {
+                "avx512f",
+                "avx512bw",
+                "avx512vl",
+                "avx512dq",
+                "avx512_bf16",
+                "avx512_vnni",
+                "fma",
+                "f16c",
+                "avx2",
+            }
         ),
     ),
     Variant(

@@ -18,8 +18,17 @@ import torch
 
 from corefleet.engine import LLM, SamplingParams
 from corefleet.engine.models.quant_layers import QuantEmbedding, QuantLinear
+from corefleet.kernels import envs
 from corefleet.kernels.gguf_quant import FORMATS
 from tests.fixtures_models import write_tiny_gguf, write_tiny_model
+
+
+@pytest.fixture(autouse=True)
+def float_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The float kernels (Q4_0/Q4_1/Q8_0 would otherwise be repacked for the integer linear,
+    which quantizes activations: tests/integration/test_gguf_packed.py compares that path)."""
+    monkeypatch.setenv(envs.GGUF_PACKED, "0")
+
 
 LAYER_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 PROMPTS = ["def add(a, b):", "hello world", "the quick brown fox jumps"]

@@ -43,7 +43,7 @@ def test_best_variant_the_cpu_supports(flags: set[str], expected: str) -> None:
 
 def test_reason_names_what_each_better_variant_lacks() -> None:
     choice = variants.choose("x86_64", SKYLAKE_SP, ALL_BUILT)
-    assert choice.reason == "not avx512_bf16: the CPU lacks avx512_bf16"
+    assert choice.reason == "not avx512_bf16: the CPU lacks avx512_bf16, avx512_vnni"
     choice = variants.choose("x86_64", AVX2_NO_FMA, ALL_BUILT)
     assert "not avx2: the CPU lacks fma" in choice.reason
     assert variants.choose("x86_64", ZEN4, ALL_BUILT).reason == "the best variant"
@@ -72,7 +72,7 @@ def test_other_architectures_get_the_generic_build() -> None:
     [
         ("avx2", ZEN4, ALL_BUILT, "avx2"),
         ("x86_64", HASWELL, ALL_BUILT, "x86_64"),
-        ("avx512_bf16", HASWELL, ALL_BUILT, "lacks avx512_bf16, avx512bw"),
+        ("avx512_bf16", HASWELL, ALL_BUILT, "lacks avx512_bf16, avx512_vnni, avx512bw"),
         ("avx512", ZEN4, {"avx2"}, "not built"),
         ("sse9", ZEN4, ALL_BUILT, "not a variant"),
     ],
