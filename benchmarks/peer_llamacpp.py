@@ -160,13 +160,13 @@ def models(args: argparse.Namespace) -> dict[str, Path]:
     return found
 
 
-def measure_model(
-    model: Path, plan: LoadPlan, args: argparse.Namespace, llama: Path
-) -> tuple[list[Run], list[tuple[str, list[str], str]]]:
-    """``args.runs`` alternating runs of both servers on ``model``; the runs and the servers."""
-    vocab = load_arch_config(resolve_model_path(str(model))).vocab_size
+ServerSpec = tuple[str, list[str], str]  # name, argv, readiness path
+
+
+def server_specs(model: Path, args: argparse.Namespace, llama: Path) -> list[ServerSpec]:
+    """Both servers' commands for ``model``, at the same capacity."""
     cap = (args.threads, args.slots, args.ctx_per_slot)
-    servers: list[tuple[str, list[str], str]] = [
+    return [
         (
             "corefleet",
             ps.corefleet_argv(model, *cap, args.block_size, shlex.split(args.corefleet_args)),
@@ -178,7 +178,18 @@ def measure_model(
             "/health",
         ),
     ]
-    runs: list[Run] = []
+
+
+def measure_model(
+    model: Path,
+    servers: list[ServerSpec],
+    plan: LoadPlan,
+    args: argparse.Namespace,
+    runs: list[Run],
+) -> None:
+    """``args.runs`` alternating runs of both servers on ``model``, each appended to ``runs``
+    once complete (an interrupted measurement leaves the completed ones there)."""
+    vocab = load_arch_config(resolve_model_path(str(model))).vocab_size
     for run in range(args.runs):
         figures: dict[str, Figures] = {}
         for name, argv, ready in servers:
@@ -210,7 +221,6 @@ def measure_model(
             args.ready_timeout,
         )
         print("\n" + table)
-    return runs, servers
 
 
 def main() -> int:
@@ -240,16 +250,25 @@ def main() -> int:
         flush=True,
     )
     results: dict[str, list[Run]] = {}
+    interrupted = False
     for label, model in models(args).items():
         size = model.stat().st_size / 2**20
         print(f"\n## {label}: {model} ({size:.0f} MiB)", flush=True)
-        runs, servers = measure_model(model, plan, args, llama)
+        servers = server_specs(model, args, llama)
+        runs: list[Run] = []
+        try:
+            measure_model(model, servers, plan, args, runs)
+        except KeyboardInterrupt:  # Ctrl-C: report the runs completed so far, then stop
+            print(f"\ninterrupted after {len(runs)} complete run(s) of {label}", flush=True)
+            interrupted = True
         if runs:
             results[label] = runs
             print("\n" + model_table(runs, plan))
         print("\ncommands (each plus --host 127.0.0.1 --port FREE_PORT):")
         for name, argv, _ in servers:
             print(f"  {name}: {shlex.join(argv)}")
+        if interrupted:
+            break
     if results:
         print(f"\n## summary ({args.threads} threads, KV cache {kv_tokens} tokens)\n")
         print(summary_table(results, plan))
