@@ -28,8 +28,14 @@ class _InitParams(ctypes.Structure):
 
 def load_ggml(lib_dir: str) -> tuple[ctypes.CDLL, ctypes.CDLL]:
     """libggml-base (contexts, tensors, graphs) and libggml-cpu (compute) from ``lib_dir``."""
-    base = ctypes.CDLL(str(Path(lib_dir) / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
-    cpu = ctypes.CDLL(str(Path(lib_dir) / "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+    def find(stem: str) -> str:  # libggml-base.so or a versioned name (pip wheels drop links)
+        found = sorted(Path(lib_dir).glob(f"{stem}.so*"))
+        if not found:
+            raise FileNotFoundError(f"no {stem}.so* in {lib_dir}")
+        return str(found[0])
+
+    base = ctypes.CDLL(find("libggml-base"), mode=ctypes.RTLD_GLOBAL)
+    cpu = ctypes.CDLL(find("libggml-cpu"), mode=ctypes.RTLD_GLOBAL)
     vp, i64 = ctypes.c_void_p, ctypes.c_int64
     base.ggml_init.restype, base.ggml_init.argtypes = vp, [_InitParams]
     base.ggml_new_tensor_2d.restype = vp
@@ -61,7 +67,7 @@ class GgmlMatmul:
         self.base, self.cpu = libs
         self.threads = threads
         n, m, k = qweight.shape[0], x.shape[0], x.shape[1]
-        size = qweight.numel() + 4 * (m * k + m * n) + (16 << 20)
+        size = qweight.numel() + 4 * (2 * m * k + m * n) + (16 << 20)  # x, its Q8_0, out
         self.graphs: list[tuple[int, int]] = []  # (context, graph)
         for _ in range(copies):
             ctx = self.base.ggml_init(_InitParams(size, None, False))

@@ -17,8 +17,8 @@ bandwidth is the quantized bytes over the time (for the float methods: their own
 ``--vnni``: the 1B model's shapes (issue 38) for the formats with a packed form, the integer
 linear (``gguf_linear_vnni`` on ``gguf_pack_vnni``'s weights, x float32 and bfloat16) against
 the float paths in the same run (``gguf_linear``; dequantize + GEMM from 8 rows), each as GB/s
-of the quantized bytes and as a fraction of this machine's read bandwidth (``torch.sum``
-streaming 1 GiB on the same threads, measured in the same run).
+of the quantized bytes and as a fraction of this machine's read bandwidth (``stream_read``:
+1 GiB read once on the same threads, measured before each shape in the same run).
 
     python benchmarks/gguf_linear_cpu.py
     python benchmarks/gguf_linear_cpu.py --crossover --rounds 7
@@ -170,13 +170,14 @@ VNNI_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def read_bandwidth(rounds: int = 5) -> float:
-    """GB/s of torch.sum streaming a 1 GiB float32 tensor on the current threads (median)."""
-    big = torch.ones(1 << 28)
-    big.sum()
+    """GB/s of a plain streaming read of 1 GiB on the current threads (median): our
+    ``stream_read`` op (64-byte loads XOR-ed together, 64 KiB chunks on the ops' pool)."""
+    big = torch.ones(1 << 30, dtype=torch.uint8)
+    OPS.stream_read(big)
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
-        big.sum()
+        OPS.stream_read(big)
         times.append(time.perf_counter() - start)
     return (1 << 30) / statistics.median(times) / 1e9
 

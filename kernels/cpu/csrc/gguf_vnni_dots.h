@@ -3,8 +3,8 @@
 //
 // Per block of 32 values and x row m: an int32 dot of each tile row with x row m's int8 values,
 // vpdpbusd (unsigned weight byte x signed activation byte, four products per 32-bit lane)
-// eight times with x's four bytes broadcast to every lane; the weight's offset taken back in
-// int32 (dot - offset * sum(x_q), exact); then, in float32,
+// eight times with x's four bytes broadcast to every lane, from -offset * sum(x_q) (the
+// weight's offset taken back in int32, exactly); then, in float32,
 //     acc[m] += float(dot) * (d_w * d_x)          (+ m_w * (d_x * sum(x_q)) for Q4_1)
 // one fused multiply-add per block, blocks in K order. Every decoded weight vector meets all MB
 // x rows while it is in a register, so a GEMM reads each weight tile once per MB rows.
@@ -51,9 +51,14 @@ inline void tile_dots(const uint8_t* tile, const QuantizedX& x, int64_t m0, __m5
     for (int64_t off = 0; off < kTileBlockBytes<F>; off += 64) {
       __builtin_prefetch(blk + kPrefetchBytes + off, 0, 3);
     }
+    // Each int32 dot starts at -offset * sum(x_q): the weight's offset taken back exactly,
+    // with no subtraction after the products.
     __m512i dot[MB];
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) dot[m] = _mm512_setzero_si512();
+    for (int m = 0; m < MB; ++m) {
+      dot[m] = P::kOffset != 0 ? _mm512_set1_epi32(-x.corr[(m0 + m) * x.nb + b])
+                               : _mm512_setzero_si512();
+    }
     const uint8_t* quants = blk + P::kScaleBytes;
     const int8_t* xb = xq + 32 * b;
     if constexpr (P::kQuantBytes == 512) {  // Q8_0: vector g holds values 4g..4g+3
@@ -81,11 +86,8 @@ inline void tile_dots(const uint8_t* tile, const QuantizedX& x, int64_t m0, __m5
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
-      const int64_t xi = (m0 + m) * x.nb + b;
-      __m512i exact = dot[m];
-      if constexpr (P::kOffset != 0) exact = _mm512_sub_epi32(exact, _mm512_set1_epi32(x.corr[xi]));
-      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[xi]));
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[m]);
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[(m0 + m) * x.nb + b]));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), scale, acc[m]);
     }
     if constexpr (P::kMins) {
       const __m512 mw =
