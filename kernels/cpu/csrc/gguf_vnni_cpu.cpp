@@ -17,8 +17,10 @@
 //
 // How: tiles of 16 rows are split between the threads (parallel.h). A thread walks its tiles in
 // groups of kTileGroup and the x rows in chunks of kRowChunk: each tile of the group meets every
-// x row of the chunk, kMaxRows at a time (gguf_vnni_dots.h), so a tile (18-74 KiB at K = 2048-
-// 8192 for Q4_0) is read from memory once and then from L2, and the x chunk stays in L2 too.
+// x row of the chunk, kMaxRows at a time (gguf_vnni_dots.h), 16 KiB of its blocks at a time, so
+// a tile is read from memory once and its blocks from L1 by the chunk's passes (a whole tile,
+// 18-74 KiB at K = 2048-8192 for Q4_0, 35 KiB for Q8_0 at 2048, would not stay in L1); the x
+// chunk stays in L2.
 //
 // Numerics: the product with x rounded to its int8 blocks (the activations' quantization error:
 // ~0.4 % of a block's largest value at worst), exactly: integer block dots, then float32 sums of
@@ -53,6 +55,7 @@ using vnni::kTileRows;
 constexpr int64_t kMaxRows = 8;    // x rows per pass over a tile: 2 x 8 accumulators
 constexpr int64_t kTileGroup = 8;  // tiles that share one x row chunk
 constexpr int64_t kRowChunk = 64;  // x rows a tile group meets before the next chunk
+constexpr int64_t kChunkBytes = 16 << 10;  // a tile's blocks met by all the chunk's rows: L1
 
 template <typename T>
 struct Problem {
@@ -70,6 +73,14 @@ void store_rows(const Problem<T>& p, const float* acc, int64_t t, int64_t m0, in
   const int64_t rows = std::min(kTileRows, p.n - n0);
   for (int64_t m = 0; m < mb; ++m) {
     T* out = p.out + (m0 + m) * p.n + n0;
+#if defined(__AVX512F__)
+    if (rows == kTileRows) {  // a whole tile: one vector
+      __m512 v = _mm512_load_ps(acc + m * kTileRows);
+      if (p.bias != nullptr) v = _mm512_add_ps(v, load16(p.bias + n0));
+      store16(out, v);
+      continue;
+    }
+#endif
     for (int64_t r = 0; r < rows; ++r) {
       const float b = p.bias != nullptr ? widen(p.bias[n0 + r]) : 0.f;
       store(acc[m * kTileRows + r] + b, out + r);
@@ -77,50 +88,53 @@ void store_rows(const Problem<T>& p, const float* acc, int64_t t, int64_t m0, in
   }
 }
 
-// Tile t against x rows [m0, m0 + mb), mb <= kMaxRows.
+// acc_mem [mb, 16] += tile t's rows against x rows [m0, m0 + mb) (mb <= kMaxRows) over blocks
+// [b0, b1): the accumulators pass through memory between block chunks (exactly).
 template <typename F, typename T>
-void tile_rows(const Problem<T>& p, int64_t t, int64_t m0, int64_t mb) {
+void tile_chunk(const Problem<T>& p, int64_t t, int64_t m0, int64_t mb, int64_t b0, int64_t b1,
+                float* acc_mem) {
   const uint8_t* tile = p.packed + t * kTileRows * p.row_bytes;
-  alignas(64) float acc[kMaxRows * kTileRows];
 #if defined(COREFLEET_GGUF_VNNI)
-  __m512 vacc[kMaxRows];
+  __m512 acc[kMaxRows];
+  for (int64_t m = 0; m < mb; ++m) acc[m] = _mm512_load_ps(acc_mem + m * kTileRows);
   switch (mb) {
-    case 1: vnni::tile_dots<F, 1>(tile, p.x, m0, vacc); break;
-    case 2: vnni::tile_dots<F, 2>(tile, p.x, m0, vacc); break;
-    case 3: vnni::tile_dots<F, 3>(tile, p.x, m0, vacc); break;
-    case 4: vnni::tile_dots<F, 4>(tile, p.x, m0, vacc); break;
-    case 5: vnni::tile_dots<F, 5>(tile, p.x, m0, vacc); break;
-    case 6: vnni::tile_dots<F, 6>(tile, p.x, m0, vacc); break;
-    case 7: vnni::tile_dots<F, 7>(tile, p.x, m0, vacc); break;
-    default: vnni::tile_dots<F, 8>(tile, p.x, m0, vacc); break;
+    case 1: vnni::tile_dots<F, 1>(tile, p.x, m0, b0, b1, acc); break;
+    case 2: vnni::tile_dots<F, 2>(tile, p.x, m0, b0, b1, acc); break;
+    case 3: vnni::tile_dots<F, 3>(tile, p.x, m0, b0, b1, acc); break;
+    case 4: vnni::tile_dots<F, 4>(tile, p.x, m0, b0, b1, acc); break;
+    case 5: vnni::tile_dots<F, 5>(tile, p.x, m0, b0, b1, acc); break;
+    case 6: vnni::tile_dots<F, 6>(tile, p.x, m0, b0, b1, acc); break;
+    case 7: vnni::tile_dots<F, 7>(tile, p.x, m0, b0, b1, acc); break;
+    default: vnni::tile_dots<F, 8>(tile, p.x, m0, b0, b1, acc); break;
   }
-  if (p.n - t * kTileRows >= kTileRows) {  // a whole tile: vector stores
-    for (int64_t m = 0; m < mb; ++m) {
-      __m512 v = vacc[m];
-      if (p.bias != nullptr) v = _mm512_add_ps(v, load16(p.bias + t * kTileRows));
-      store16(p.out + (m0 + m) * p.n + t * kTileRows, v);
-    }
-    return;
-  }
-  for (int64_t m = 0; m < mb; ++m) _mm512_store_ps(acc + m * kTileRows, vacc[m]);
+  for (int64_t m = 0; m < mb; ++m) _mm512_store_ps(acc_mem + m * kTileRows, acc[m]);
 #else
-  vnni::tile_dots_scalar<F>(tile, p.x, m0, mb, acc);
+  vnni::tile_dots_scalar<F>(tile, p.x, m0, mb, b0, b1, acc_mem);
 #endif
-  store_rows(p, acc, t, m0, mb);
 }
 
-// One thread's tiles [t0, t1): groups of kTileGroup tiles, each against the x rows in chunks.
+// One thread's tiles [t0, t1): groups of kTileGroup tiles, each against the x rows in chunks
+// of kRowChunk; a tile meets a chunk's rows kMaxRows at a time over kChunkBytes of its blocks
+// (which stay in L1 for the chunk's passes), then the next blocks.
 template <typename F, typename T>
 void band(const Problem<T>& p, int64_t t0, int64_t t1) {
-  const int64_t m = p.x.m;
+  const int64_t m = p.x.m, nb = p.x.nb;
+  const int64_t chunk_blocks = std::max<int64_t>(1, kChunkBytes / vnni::kTileBlockBytes<F>);
+  alignas(64) float acc_mem[kRowChunk * kTileRows];  // [rows of the chunk, 16]
   for (int64_t g0 = t0; g0 < t1; g0 += kTileGroup) {
     const int64_t g1 = std::min(g0 + kTileGroup, t1);
     for (int64_t c0 = 0; c0 < m; c0 += kRowChunk) {
       const int64_t c1 = std::min(c0 + kRowChunk, m);
       for (int64_t t = g0; t < g1; ++t) {
-        for (int64_t m0 = c0; m0 < c1; m0 += kMaxRows) {
-          tile_rows<F, T>(p, t, m0, std::min(kMaxRows, c1 - m0));
+        std::fill(acc_mem, acc_mem + (c1 - c0) * kTileRows, 0.f);
+        for (int64_t b0 = 0; b0 < nb; b0 += chunk_blocks) {
+          const int64_t b1 = std::min(b0 + chunk_blocks, nb);
+          for (int64_t m0 = c0; m0 < c1; m0 += kMaxRows) {
+            tile_chunk<F, T>(p, t, m0, std::min(kMaxRows, c1 - m0), b0, b1,
+                             acc_mem + (m0 - c0) * kTileRows);
+          }
         }
+        store_rows(p, acc_mem, t, c0, c1 - c0);
       }
     }
   }

@@ -38,15 +38,15 @@ inline __m512i broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// acc[m][0..15] = the float32 dots of tile rows 0..15 with x rows m0..m0+MB-1, over all blocks.
+// acc[m][0..15] += the float32 dots of tile rows 0..15 with x rows m0..m0+MB-1, over blocks
+// [b0, b1) in order.
 template <typename F, int MB>
-inline void tile_dots(const uint8_t* tile, const QuantizedX& x, int64_t m0, __m512* acc) {
+inline void tile_dots(const uint8_t* tile, const QuantizedX& x, int64_t m0, int64_t b0,
+                      int64_t b1, __m512* acc) {
   using P = Packed<F>;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-#pragma GCC unroll 8
-  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   const int8_t* xq = x.q + m0 * x.k;
-  for (int64_t b = 0; b < x.nb; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* blk = tile + b * kTileBlockBytes<F>;
     for (int64_t off = 0; off < kTileBlockBytes<F>; off += 64) {
       __builtin_prefetch(blk + kPrefetchBytes + off, 0, 3);
@@ -101,15 +101,13 @@ inline void tile_dots(const uint8_t* tile, const QuantizedX& x, int64_t m0, __m5
 }
 #endif
 
-// The same sums, one tile row and x row at a time: acc[m * 16 + r] (portable; and the form the
-// tests compare the vector one with on every build).
+// The same sums, one tile row and x row at a time: acc[m * 16 + r] (portable builds).
 template <typename F>
 void tile_dots_scalar(const uint8_t* tile, const QuantizedX& x, int64_t m0, int64_t mb,
-                      float* acc) {
+                      int64_t b0, int64_t b1, float* acc) {
   using P = Packed<F>;
   uint8_t file_block[F::kBytes];
-  for (int64_t i = 0; i < mb * kTileRows; ++i) acc[i] = 0.f;
-  for (int64_t b = 0; b < x.nb; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* blk = tile + b * kTileBlockBytes<F>;
     for (int64_t r = 0; r < kTileRows; ++r) {
       unpack_block<F>(blk, r, file_block);
