@@ -28,6 +28,7 @@ class _InitParams(ctypes.Structure):
 
 def load_ggml(lib_dir: str) -> tuple[ctypes.CDLL, ctypes.CDLL]:
     """libggml-base (contexts, tensors, graphs) and libggml-cpu (compute) from ``lib_dir``."""
+
     def find(stem: str) -> str:  # libggml-base.so or a versioned name (pip wheels drop links)
         found = sorted(Path(lib_dir).glob(f"{stem}.so*"))
         if not found:

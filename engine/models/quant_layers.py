@@ -106,7 +106,7 @@ class QuantLinear(nn.Module):
             for buf in self._layout:
                 self.backend.restore_quant_weight(self.get_buffer(buf.name), buf.fmt)
             self._prepared = False
-        return super()._apply(fn, recurse)  # type: ignore[no-any-return]
+        return super()._apply(fn, recurse)
 
     def _prepare(self) -> None:
         """The backend's one look at the loaded buffers (it may repack them in place)."""
