@@ -53,11 +53,15 @@ inline void tile_dots(const uint8_t* tile, const QuantizedX& x, int64_t m0, int6
     }
     // Each int32 dot starts at -offset * sum(x_q): the weight's offset taken back exactly,
     // with no subtraction after the products.
-    __m512i dot[MB];
+    // With one or two x rows, each row's products go to two int32 chains (even and odd
+    // vectors), added at the end: eight dependent vpdpbusd a block would be latency-bound.
+    constexpr int kChains = MB <= 2 ? 2 : 1;
+    __m512i dot[MB * kChains];
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
       dot[m] = P::kOffset != 0 ? _mm512_set1_epi32(-x.corr[(m0 + m) * x.nb + b])
                                : _mm512_setzero_si512();
+      if constexpr (kChains == 2) dot[MB + m] = _mm512_setzero_si512();
     }
     const uint8_t* quants = blk + P::kScaleBytes;
     const int8_t* xb = xq + 32 * b;
@@ -67,7 +71,8 @@ inline void tile_dots(const uint8_t* tile, const QuantizedX& x, int64_t m0, int6
         const __m512i w = _mm512_loadu_si512(quants + 64 * g);
 #pragma GCC unroll 8
         for (int m = 0; m < MB; ++m) {
-          dot[m] = _mm512_dpbusd_epi32(dot[m], w, broadcast4(xb + m * x.k + 4 * g));
+          const int chain = kChains == 2 && g % 2 ? MB + m : m;
+          dot[chain] = _mm512_dpbusd_epi32(dot[chain], w, broadcast4(xb + m * x.k + 4 * g));
         }
       }
     } else {  // nibbles: vector c holds values 4c.. (low) and 16+4c.. (high)
@@ -78,8 +83,9 @@ inline void tile_dots(const uint8_t* tile, const QuantizedX& x, int64_t m0, int6
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
 #pragma GCC unroll 8
         for (int m = 0; m < MB; ++m) {
+          const int odd = kChains == 2 ? MB + m : m;
           dot[m] = _mm512_dpbusd_epi32(dot[m], lo, broadcast4(xb + m * x.k + 4 * c));
-          dot[m] = _mm512_dpbusd_epi32(dot[m], hi, broadcast4(xb + m * x.k + 16 + 4 * c));
+          dot[odd] = _mm512_dpbusd_epi32(dot[odd], hi, broadcast4(xb + m * x.k + 16 + 4 * c));
         }
       }
     }
@@ -87,7 +93,8 @@ inline void tile_dots(const uint8_t* tile, const QuantizedX& x, int64_t m0, int6
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
       const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[(m0 + m) * x.nb + b]));
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), scale, acc[m]);
+      const __m512i exact = kChains == 2 ? _mm512_add_epi32(dot[m], dot[MB + m]) : dot[m];
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[m]);
     }
     if constexpr (P::kMins) {
       const __m512 mw =
