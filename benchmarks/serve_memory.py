@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+from coordinator import free_port, start, stop
 
 MiB = 1 << 20
 
@@ -75,45 +73,14 @@ def tree_memory(root_pid: int) -> TreeMemory:
     return TreeMemory(pss, rss, counted, largest)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def start_server(
     engine_argv: list[str], timeout_s: float, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
+    """`corefleet serve` on a free port, once /ready answers (coordinator.py's start)."""
     port = free_port()
     corefleet = Path(sys.executable).with_name("corefleet")
     argv = [str(corefleet), "serve", "--port", str(port), *engine_argv]
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        env=env,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"corefleet serve exited with {proc.returncode} before ready")
-        with contextlib.suppress(OSError), urllib.request.urlopen(url + "/ready", timeout=2):
-            return proc, url
-        time.sleep(0.5)
-    stop_server(proc)
-    raise TimeoutError(f"/ready not 200 after {timeout_s:.0f} s")
-
-
-def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    return start(argv, port, timeout_s, env), f"http://127.0.0.1:{port}"
 
 
 def _completion(url: str, prompt: str, max_tokens: int) -> int:
@@ -179,7 +146,7 @@ def one_run(
         loaded = tree_memory(proc.pid)
         return Run(ready, loaded, held, load_s)
     finally:
-        stop_server(proc)
+        stop(proc)
 
 
 def _gib(values: list[int]) -> str:
